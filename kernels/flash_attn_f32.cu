@@ -1,0 +1,165 @@
+/* flash_attn_f32.cu: parity-first joint attention for FLUX.2 (pictor-diffusers).
+
+   Algorithm: flash-attention v2 forward with an online (running-max) softmax,
+   non-causal, no mask:
+       S = scale * Q K^T,  P = softmax(S) row-wise,  O = P V.
+   Every value (Q, K, V, S, P, the running max m, the running sum l and the
+   output accumulator O) is f32, accumulated in f32 by scalar FFMA. There are no
+   tensor cores and no 16-bit staging: this kernel is the accuracy reference of
+   the package (max-abs about 1e-6..1e-5 against float64 on N(0,1) inputs).
+
+   Launch geometry:
+       grid  = (ceil(seq / FA_BQ), num_heads, batch)
+       block = (FA_THREADS = 128, 1, 1)   -> 4 warps
+       dynamic shared memory = 2 * FA_BK * head_dim * sizeof(float) bytes
+         (Ksh | Vsh); head_dim 128 -> 32 KiB, 256 -> 64 KiB, 384 -> 96 KiB.
+         Above 48 KiB the host raises the kernel's dynamic shared-memory limit.
+   Each block owns FA_BQ = 8 query rows of one (batch, head): each warp owns
+   FA_RPW = 2 rows, and within a warp lane t holds head dims {t, t+32, ...} of
+   its rows' Q and O in registers. A score is a lane-partial dot product
+   finished by a butterfly shuffle reduction, so every lane sees every score.
+   Keys stream through shared memory in tiles of FA_BK = 32.
+
+   Layout:
+       q, k, v : head-major  [batch, num_heads, seq, head_dim], contiguous f32
+       out     : token-major [batch, seq, num_heads * head_dim], contiguous f32
+                 out[b, n, h*head_dim + d] = O[b, h, n, d]
+
+   Variants: the host compiles this source once per FA_DMAX (the compile-time
+   bound on head_dim that sizes the per-lane register arrays); any head_dim in
+   [1, FA_DMAX] is exact, since only dims below head_dim are touched. */
+
+#define FA_BQ 8u                     /* query rows per block = FA_WARPS * FA_RPW */
+#define FA_BK 32u                    /* keys per shared-memory tile */
+#define FA_THREADS 128u
+#define FA_WARPS 4u
+#define FA_RPW (FA_BQ / FA_WARPS)    /* query rows per warp = 2 */
+#ifndef FA_DMAX
+#define FA_DMAX 128u
+#endif
+#define FA_MAXDPL ((FA_DMAX + 31u) / 32u)  /* head dims held per lane */
+
+/* Running-max start value. The first key of a row always replaces it
+   (any finite score exceeds -FLT_MAX), and the explicit test below forces
+   the first correction factor to exactly 0. */
+#define FA_NEG_INF (-3.402823e+38f)
+
+extern "C" __global__ void joint_attention_flash_f32(
+    const float* __restrict__ q,
+    const float* __restrict__ k,
+    const float* __restrict__ v,
+    float* __restrict__ out,
+    unsigned int num_heads,
+    unsigned int seq,
+    unsigned int head_dim,
+    float scale)
+{
+    const unsigned int h = blockIdx.y;
+    const unsigned int b = blockIdx.z;
+    const unsigned int q0 = blockIdx.x * FA_BQ;
+    if (h >= num_heads || q0 >= seq) return;
+
+    const unsigned int tid = threadIdx.x;
+    const unsigned int lane = tid & 31u;
+    const unsigned int wid = tid >> 5u;
+
+    /* Offset of this (batch, head) slice in the head-major inputs. */
+    const unsigned long long head_off =
+        ((unsigned long long)b * num_heads + h) * (unsigned long long)seq * head_dim;
+
+    extern __shared__ float fa_smem[];
+    float* Ksh = fa_smem;
+    float* Vsh = fa_smem + FA_BK * head_dim;
+
+    /* Row ownership is warp-uniform, so every lane of a warp runs the same
+       barriers and shuffles; only loads and the final store are guarded. */
+    unsigned int qrow[FA_RPW];
+    bool owns[FA_RPW];
+    float Q[FA_RPW][FA_MAXDPL];
+    float O[FA_RPW][FA_MAXDPL];
+    float m[FA_RPW];
+    float l[FA_RPW];
+    #pragma unroll
+    for (unsigned int rr = 0u; rr < FA_RPW; rr++) {
+        const unsigned int row = wid + rr * FA_WARPS;
+        qrow[rr] = q0 + row;
+        owns[rr] = qrow[rr] < seq;
+        m[rr] = FA_NEG_INF;
+        l[rr] = 0.0f;
+        const float* qsrc = q + head_off + (unsigned long long)qrow[rr] * head_dim;
+        #pragma unroll
+        for (unsigned int s = 0u; s < FA_MAXDPL; s++) {
+            const unsigned int d = lane + s * 32u;
+            Q[rr][s] = (owns[rr] && d < head_dim) ? qsrc[d] : 0.0f;
+            O[rr][s] = 0.0f;
+        }
+    }
+
+    const unsigned int k_tiles = (seq + FA_BK - 1u) / FA_BK;
+    for (unsigned int kt = 0u; kt < k_tiles; kt++) {
+        const unsigned int k0 = kt * FA_BK;
+        const unsigned int k_valid = min(FA_BK, seq - k0);
+
+        /* Stage the key/value tile; rows past the sequence end are zeroed
+           and never read by the score loop below. */
+        for (unsigned int i = tid; i < FA_BK * head_dim; i += FA_THREADS) {
+            const unsigned int kk = i / head_dim;
+            float kv = 0.0f;
+            float vv = 0.0f;
+            if (kk < k_valid) {
+                const unsigned long long src = head_off + (unsigned long long)k0 * head_dim + i;
+                kv = k[src];
+                vv = v[src];
+            }
+            Ksh[i] = kv;
+            Vsh[i] = vv;
+        }
+        __syncthreads();
+
+        for (unsigned int kk = 0u; kk < k_valid; kk++) {
+            const float* ksp = Ksh + kk * head_dim;
+            const float* vsp = Vsh + kk * head_dim;
+            #pragma unroll
+            for (unsigned int rr = 0u; rr < FA_RPW; rr++) {
+                float partial = 0.0f;
+                #pragma unroll
+                for (unsigned int s = 0u; s < FA_MAXDPL; s++) {
+                    const unsigned int d = lane + s * 32u;
+                    if (d < head_dim) partial += Q[rr][s] * ksp[d];
+                }
+                #pragma unroll
+                for (unsigned int off = 16u; off > 0u; off >>= 1u)
+                    partial += __shfl_xor_sync(0xffffffffu, partial, off);
+                const float sc = partial * scale;
+
+                const float m_new = fmaxf(m[rr], sc);
+                const float corr = (m[rr] == FA_NEG_INF) ? 0.0f : expf(m[rr] - m_new);
+                const float p = expf(sc - m_new);
+                l[rr] = l[rr] * corr + p;
+                #pragma unroll
+                for (unsigned int s = 0u; s < FA_MAXDPL; s++) {
+                    const unsigned int d = lane + s * 32u;
+                    if (d < head_dim) O[rr][s] = O[rr][s] * corr + p * vsp[d];
+                }
+                m[rr] = m_new;
+            }
+        }
+        __syncthreads();
+    }
+
+    /* out[b, n, h*head_dim + d] = O[d] / l. Every row has at least one key,
+       so l >= 1 here (the maximum's own term contributes exp(0) = 1). */
+    const unsigned long long inner = (unsigned long long)num_heads * head_dim;
+    #pragma unroll
+    for (unsigned int rr = 0u; rr < FA_RPW; rr++) {
+        if (!owns[rr]) continue;
+        const float inv = 1.0f / l[rr];
+        float* dst = out + ((unsigned long long)b * seq + qrow[rr]) * inner
+                         + (unsigned long long)h * head_dim;
+        #pragma unroll
+        for (unsigned int s = 0u; s < FA_MAXDPL; s++) {
+            const unsigned int d = lane + s * 32u;
+            if (d < head_dim) dst[d] = O[rr][s] * inv;
+        }
+    }
+}

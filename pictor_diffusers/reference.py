@@ -1,0 +1,52 @@
+"""Pure-torch online-softmax attention: the CPU path and the kernel's twin.
+
+Same algorithm as `kernels/flash_attn_f32.cu`: keys stream in tiles, each query
+row keeps a running max `m`, a running sum `l` and an f32 accumulator, and the
+output is `acc / l`. Everything runs in float32 (inputs are upcast). The tile
+is wider than the kernel's 32 keys so that CPU matmuls stay efficient; the
+result differs from the kernel only by f32 reassociation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU_TILE_KEYS = 256
+
+
+def online_softmax_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    tile_keys: int = CPU_TILE_KEYS,
+) -> torch.Tensor:
+    """Non-causal attention by online softmax, in float32.
+
+    Args:
+        query, key, value: head-major `[B, H, N, D]`, any float dtype.
+        scale: multiplies the logits `Q K^T`.
+        tile_keys: keys per online-softmax step.
+
+    Returns:
+        token-major `[B, N, H*D]` float32.
+    """
+    batch, heads, seq, head_dim = query.shape
+    q = query.float()
+    k = key.float()
+    v = value.float()
+    running_max = torch.full((batch, heads, seq, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    running_sum = torch.zeros((batch, heads, seq, 1), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((batch, heads, seq, head_dim), dtype=torch.float32, device=q.device)
+    for start in range(0, seq, tile_keys):
+        k_tile = k[:, :, start : start + tile_keys]
+        v_tile = v[:, :, start : start + tile_keys]
+        scores = torch.matmul(q, k_tile.transpose(-1, -2)) * scale
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        correction = torch.exp(running_max - new_max)
+        probs = torch.exp(scores - new_max)
+        running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
+        acc = acc * correction + torch.matmul(probs, v_tile)
+        running_max = new_max
+    out = acc / running_sum
+    return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
