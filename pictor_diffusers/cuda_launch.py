@@ -106,21 +106,36 @@ class _SameStreamExport:
         return self.tensor.__dlpack_device__()
 
 
-def flash_attention_f32_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def flash_attention_f32_cuda(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Run `joint_attention_flash_f32` on validated CUDA inputs.
 
     Args:
         query, key, value: contiguous float32 `[B, H, N, D]` on one CUDA device.
         scale: logit scale.
+        out: optional contiguous float32 `[B, N, H*D]` destination on the same
+            device (the tests pass a NaN-poisoned buffer); torch allocates one if None.
 
     Returns:
-        float32 `[B, N, H*D]` (token-major), allocated by torch.
+        float32 `[B, N, H*D]` (token-major).
     """
     cupy = import_cupy()
     batch, heads, seq, head_dim = query.shape
     device = query.device
     variant = f32_variant_for(head_dim)
-    out = torch.empty((batch, seq, heads * head_dim), dtype=torch.float32, device=device)
+    out_shape = (batch, seq, heads * head_dim)
+    if out is None:
+        out = torch.empty(out_shape, dtype=torch.float32, device=device)
+    elif out.shape != out_shape or out.dtype != torch.float32 or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 {out_shape} tensor on {device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     kernel = compiled_kernel(variant, device.index)
     grid = ((seq + F32_ROWS_PER_BLOCK - 1) // F32_ROWS_PER_BLOCK, heads, batch)
     with torch.cuda.device(device), cupy.cuda.Device(device.index), _cupy_stream(cupy, device):

@@ -1,0 +1,102 @@
+"""Randomly initialised FLUX.2 transformers and inputs for the tests.
+
+Weights come from the model's own initialisation under a fixed seed; nothing is
+downloaded. Token ids follow FLUX.2's layout: text ids count along axis 3,
+image ids hold (row, column) on axes 1 and 2.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import Flux2Transformer2DModel
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
+
+TINY_CONFIG = {
+    "patch_size": 1,
+    "in_channels": 16,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 4,
+    "joint_attention_dim": 48,
+    "timestep_guidance_channels": 32,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": (8, 8, 8, 8),
+    "rope_theta": 2000,
+    "eps": 1e-6,
+    "guidance_embeds": True,
+}
+
+KLEIN_4B_CONFIG = {
+    **TINY_CONFIG,
+    "in_channels": 128,
+    "num_layers": 5,
+    "num_single_layers": 20,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 7680,
+    "timestep_guidance_channels": 256,
+    "axes_dims_rope": (32, 32, 32, 32),
+    "guidance_embeds": False,
+}
+"""FLUX.2-klein-4B's transformer shape: 24 heads of 128, 5 double and 20 single blocks."""
+
+
+def build_transformer(config: dict | None = None, seed: int = 0, **device_dtype) -> Flux2Transformer2DModel:
+    """A FLUX.2 transformer with seeded random weights, in eval mode."""
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(**(config or TINY_CONFIG))
+    return model.to(**device_dtype).eval()
+
+
+def image_ids(height: int, width: int) -> torch.Tensor:
+    """`[height*width, 4]` ids: (0, row, column, 0)."""
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    ids = torch.zeros(height * width, 4)
+    ids[:, 1] = rows.flatten()
+    ids[:, 2] = cols.flatten()
+    return ids
+
+
+def text_ids(length: int) -> torch.Tensor:
+    """`[length, 4]` ids: (0, 0, 0, position)."""
+    ids = torch.zeros(length, 4)
+    ids[:, 3] = torch.arange(length)
+    return ids
+
+
+def transformer_inputs(
+    model: Flux2Transformer2DModel,
+    batch: int,
+    latent_hw: tuple[int, int],
+    text_len: int,
+    seed: int = 1,
+) -> dict:
+    """Random N(0,1) keyword inputs for `model.forward`, on the model's device and dtype."""
+    param = next(model.parameters())
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    height, width = latent_hw
+    hidden = torch.randn(batch, height * width, config.in_channels, generator=generator)
+    text = torch.randn(batch, text_len, config.joint_attention_dim, generator=generator)
+    inputs = {
+        "hidden_states": hidden.to(param.device, param.dtype),
+        "encoder_hidden_states": text.to(param.device, param.dtype),
+        "timestep": torch.full((batch,), 0.5, device=param.device, dtype=param.dtype),
+        "img_ids": image_ids(height, width).to(param.device),
+        "txt_ids": text_ids(text_len).to(param.device),
+        "return_dict": False,
+    }
+    if config.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 3.5, device=param.device, dtype=param.dtype)
+    return inputs
+
+
+def set_stock_processors(model: Flux2Transformer2DModel) -> None:
+    """Put diffusers' default FLUX.2 processors back on every attention module."""
+    processors = {}
+    for name in model.attn_processors:
+        parent = model.get_submodule(name.removesuffix(".processor"))
+        single = type(parent).__name__ == "Flux2ParallelSelfAttention"
+        processors[name] = Flux2ParallelSelfAttnProcessor() if single else Flux2AttnProcessor()
+    model.set_attn_processor(processors)
