@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ SDPA_BACKENDS = {
 }
 # (backend, dtype) rows run per shape; flash and cuDNN have no fp32 kernels.
 DEFAULT_ROWS = [
+    ("pictor_tf32x3", "fp32"),
     ("pictor_f32", "fp32"),
     ("sdpa_math", "fp32"),
     ("sdpa_efficient", "fp32"),
@@ -42,8 +44,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _runner(backend: str, dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
-    if backend == "pictor_f32":
-        return lambda: attention(q, k, v)
+    if backend.startswith("pictor_"):
+        kernel = backend.removeprefix("pictor_")
+        return lambda: attention(q, k, v, kernel=kernel)
     q, k, v = (t.to(dtype) for t in (q, k, v))
 
     def run() -> torch.Tensor:
@@ -113,7 +116,10 @@ def environment() -> dict:
 
     import cupy
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (
+        os.environ.get("GIT_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

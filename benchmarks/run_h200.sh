@@ -16,7 +16,7 @@ for tool in memcheck racecheck; do
   echo "compute-sanitizer $tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
 done
 
-ncu --clock-control none -k regex:joint_attention -c 1 --section SpeedOfLight --section Occupancy \
+ncu --clock-control none -k regex:joint_attention -c 2 --section SpeedOfLight --section Occupancy \
   python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 > "$OUT/ncu.log" 2>&1
 grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers" "$OUT/ncu.log"
 

@@ -50,3 +50,15 @@ def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
         raise ValueError(f"batch and heads must be <= {_MAX_GRID_YZ}, got B={batch}, H={heads}")
+
+
+KERNEL_CHOICES = ("auto", "tf32x3", "f32")
+OUT_DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_kernel_choice(kernel: str, out_dtype: torch.dtype) -> None:
+    """Raise ValueError unless `kernel` and `out_dtype` are supported choices."""
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if out_dtype not in OUT_DTYPE_CHOICES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPE_CHOICES}, got {out_dtype}")

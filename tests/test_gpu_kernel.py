@@ -35,39 +35,72 @@ CASES = [
 VARIANT_CASES = [(1, 4, 333, 200), (2, 3, 77, 256), (1, 2, 129, 384), (1, 3, 50, 17)]
 
 
-def _poisoned_out(batch: int, heads: int, seq: int, head_dim: int) -> torch.Tensor:
-    return torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
+# head_dims the tensor-core kernel compiles for, at odd N.
+TF32X3_CASES = [(1, 3, 77, 32), (2, 5, 300, 96), (1, 4, 129, 64)]
 
 
-def _run_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    from pictor_diffusers.cuda_launch import flash_attention_f32_cuda
+def _run_kernel(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """One launch of `kernel` ("f32" or "tf32x3") into a NaN-poisoned float32 output."""
+    from pictor_diffusers import cuda_launch
 
     batch, heads, seq, head_dim = query.shape
-    out = _poisoned_out(batch, heads, seq, head_dim)
-    return flash_attention_f32_cuda(query, key, value, head_dim**-0.5, out=out)
+    out = torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
+    if kernel == "f32":
+        return cuda_launch.flash_attention_f32_cuda(query, key, value, head_dim**-0.5, out=out)
+    return cuda_launch.flash_attention_tf32x3_cuda(query, key, value, head_dim**-0.5, out=out)
 
 
-@pytest.mark.parametrize("shape", CASES + VARIANT_CASES, ids=lambda s: "B{}-H{}-N{}-D{}".format(*s))
-def test_kernel_matches_float64(shape: tuple[int, int, int, int]) -> None:
+def _shape_id(shape: tuple[int, int, int, int]) -> str:
+    return "B{}-H{}-N{}-D{}".format(*shape)
+
+
+KERNEL_CASES = [("f32", s) for s in CASES + VARIANT_CASES] + [("tf32x3", s) for s in CASES + TF32X3_CASES]
+
+
+@pytest.mark.parametrize(("kernel", "shape"), KERNEL_CASES, ids=lambda x: x if isinstance(x, str) else _shape_id(x))
+def test_kernel_matches_float64(kernel: str, shape: tuple[int, int, int, int]) -> None:
     query, key, value = random_qkv(*shape, seed=sum(shape))
-    out = _run_kernel(query, key, value)
+    out = _run_kernel(kernel, query, key, value)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "kernel left poisoned (unwritten) or NaN elements"
     max_abs = (out.double() - attention_float64(query, key, value)).abs().max().item()
-    print(f"shape={shape} max_abs={max_abs:.3e}")
+    print(f"{kernel} shape={shape} max_abs={max_abs:.3e}")
     assert max_abs <= MAX_ABS
 
 
-@pytest.mark.parametrize("shape", [(1, 24, 4608, 128), (1, 8, 1000, 64)], ids=str)
-def test_large_logits(shape: tuple[int, int, int, int]) -> None:
-    """Inputs x8 make softmax rows nearly one-hot: still finite, still f32-accurate."""
-    query, key, value = random_qkv(*shape, seed=7, scale=8.0)
-    out = _run_kernel(query, key, value)
+@pytest.mark.parametrize("kernel", ["f32", "tf32x3"])
+@pytest.mark.parametrize("shape", [(1, 24, 4608, 128), (1, 8, 1000, 64)], ids=_shape_id)
+def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
+    """q and k x8 make softmax rows nearly one-hot: still finite, still f32-accurate."""
+    query, key, value = random_qkv(*shape, seed=7)
+    query, key = query * 8.0, key * 8.0
+    out = _run_kernel(kernel, query, key, value)
     ref = attention_float64(query, key, value)
     assert torch.isfinite(out).all()
-    rel_max = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-    print(f"shape={shape} x8 max_abs={(out.double() - ref).abs().max().item():.3e} rel={rel_max:.3e}")
-    assert rel_max <= MAX_ABS
+    max_abs = (out.double() - ref).abs().max().item()
+    print(f"{kernel} shape={shape} x8 max_abs={max_abs:.3e}")
+    assert max_abs <= MAX_ABS
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tf32x3_rounds_once_into_16bit(out_dtype: torch.dtype) -> None:
+    from pictor_diffusers import cuda_launch
+
+    query, key, value = random_qkv(2, 6, 1000, 128, seed=13)
+    out = torch.full((2, 1000, 768), float("nan"), device="cuda", dtype=out_dtype)
+    cuda_launch.flash_attention_tf32x3_cuda(query, key, value, 128**-0.5, out_dtype=out_dtype, out=out)
+    expected = attention_float64(query, key, value).to(out_dtype)
+    assert not out.isnan().any()
+    one_ulp = expected.float().abs() * torch.finfo(out_dtype).eps + 1e-7
+    beyond_one_ulp = (out.float() - expected.float()).abs() > one_ulp
+    assert beyond_one_ulp.float().mean().item() < 1e-3
+
+
+def test_auto_picks_tensor_cores_and_matches_reference_kernel() -> None:
+    query, key, value = random_qkv(1, 24, 1536, 128, seed=17)
+    fast = attention(query, key, value)
+    reference = attention(query, key, value, kernel="f32")
+    assert (fast - reference).abs().max().item() <= MAX_ABS
 
 
 def test_public_api_matches_kernel_and_cpu_twin() -> None:
@@ -80,8 +113,8 @@ def test_public_api_matches_kernel_and_cpu_twin() -> None:
 
 def test_bitwise_deterministic() -> None:
     query, key, value = random_qkv(2, 24, 1536, 128, seed=11)
-    first = _run_kernel(query, key, value)
-    second = _run_kernel(query, key, value)
+    first = _run_kernel("tf32x3", query, key, value)
+    second = _run_kernel("tf32x3", query, key, value)
     assert torch.equal(first, second)
 
 
