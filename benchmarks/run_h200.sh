@@ -22,3 +22,6 @@ grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy
 
 python3 benchmarks/bench_kernel.py --shapes "${1:-1x24x1536x128,1x24x4608x128,1x48x4608x128}" \
   --json "$OUT/kernel_h200.json"
+
+python3 benchmarks/bench_model.py --models "${MODELS:-klein-4B}" --sizes "${SIZES:-1024,2048}" \
+  --json "$OUT/model_h200.json"

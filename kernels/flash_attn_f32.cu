@@ -42,7 +42,7 @@
 /* Running-max start value. The first key of a row always replaces it
    (any finite score exceeds -FLT_MAX), and the explicit test below forces
    the first correction factor to exactly 0. */
-#define FA_NEG_INF (-3.402823e+38f)
+#define FA_NEG_INF (-3.40282347e+38f)
 
 extern "C" __global__ void joint_attention_flash_f32(
     const float* __restrict__ q,

@@ -11,12 +11,14 @@
    Launch geometry:
        grid  = (ceil(seq / FT_BQ), num_heads, batch), FT_BQ = 128 query rows
        block = FT_THREADS = 256 = 8 warps; warp w owns rows 16w .. 16w+15
-       dynamic shared memory = FT_SMEM_BYTES (FT_D = 128: 197.5 KiB, opted in)
+       dynamic shared memory = FT_SMEM_BYTES (FT_D = 128: 213.5 KiB, opted in)
            Q tile  [FT_BQ][FT_LDQ] (hi, lo) pairs, split once per block
            K tile  [FT_BK][FT_LDK] (hi, lo) pairs
            V tile  [FT_BK][FT_LDV] (hi, lo) pairs
-   Key tiles of FT_BK = 32: while a tile is computed, the next one is loaded
-   into registers; it is split into hi/lo once, by all threads, for all warps.
+           V raw   [FT_BK][FT_D] f32, the next V tile in flight (cp.async)
+   Key tiles of FT_BK = 32: while a tile is computed, the next K tile is
+   loaded into registers and the next V tile copied to shared memory; at the
+   next tile each is split into hi/lo once, by all threads, for all warps.
 
    Matrix products: mma.sync.m16n8k8 TF32, f32 accumulators.
        S = Q K^T : A = Q fragment, B = K tile.
@@ -52,9 +54,12 @@
 #define FT_KSTEPS (FT_D / 8)
 #define FT_NTILES_S (FT_BK / 8)
 #define FT_NTILES_O (FT_D / 8)
+#ifndef FT_PV_CHUNK
+#define FT_PV_CHUNK 4                   /* output tiles per fresh P.V accumulator */
+#endif
 #define FT_F4_ROW (FT_D / 4)
 #define FT_F4_PER_THREAD (FT_BK * FT_F4_ROW / FT_THREADS)
-#define FT_SMEM_BYTES ((FT_BQ * FT_LDQ + FT_BK * FT_LDK + FT_BK * FT_LDV) * 8)
+#define FT_SMEM_BYTES ((FT_BQ * FT_LDQ + FT_BK * FT_LDK + FT_BK * FT_LDV) * 8 + FT_BK * FT_D * 4)
 #define FT_NEG_INF (-__int_as_float(0x7f800000))
 
 #if FT_D % 32 != 0 || FT_D > 128
@@ -101,12 +106,13 @@ __device__ __forceinline__ void ft_mma(float* c, unsigned int a0, unsigned int a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-/* c += a.b in 3xTF32; a[i] and b0/b1 are (hi, lo) pairs, smallest terms first. */
-__device__ __forceinline__ void ft_mma3(float* c, const uint2* a, uint2 b0, uint2 b1)
+/* a.b in 3xTF32: c_big += hi.hi, c_cross += lo.hi + hi.lo.
+   a[i] and b0/b1 are (hi, lo) pairs. */
+__device__ __forceinline__ void ft_mma3(float* c_big, float* c_cross, const uint2* a, uint2 b0, uint2 b1)
 {
-    ft_mma(c, a[0].y, a[1].y, a[2].y, a[3].y, b0.x, b1.x);
-    ft_mma(c, a[0].x, a[1].x, a[2].x, a[3].x, b0.y, b1.y);
-    ft_mma(c, a[0].x, a[1].x, a[2].x, a[3].x, b0.x, b1.x);
+    ft_mma(c_cross, a[0].y, a[1].y, a[2].y, a[3].y, b0.x, b1.x);
+    ft_mma(c_cross, a[0].x, a[1].x, a[2].x, a[3].x, b0.y, b1.y);
+    ft_mma(c_big, a[0].x, a[1].x, a[2].x, a[3].x, b0.x, b1.x);
 }
 
 /* Rows [row0, row0 + FT_BK) of a head slice into registers, zeros past seq. */
@@ -119,6 +125,22 @@ __device__ __forceinline__ void ft_load_tile(const float4* __restrict__ src, uns
         const bool valid = row0 + idx / FT_F4_ROW < seq;
         regs[i] = valid ? src[(unsigned long long)row0 * FT_F4_ROW + idx] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+}
+
+/* Start copying rows [row0, row0 + FT_BK) of a head slice into `raw` (f32,
+   [FT_BK][FT_D]) with cp.async; rows past seq are zero-filled. */
+__device__ __forceinline__ void ft_copy_tile_async(float* raw, const float4* __restrict__ src, unsigned int row0,
+                                                   unsigned int seq)
+{
+    #pragma unroll
+    for (int i = 0; i < FT_F4_PER_THREAD; i++) {
+        const unsigned int idx = threadIdx.x + i * FT_THREADS;
+        const bool valid = row0 + idx / FT_F4_ROW < seq;
+        const float4* from = src + (valid ? (unsigned long long)row0 * FT_F4_ROW + idx : 0ull);
+        const unsigned int to = (unsigned int)__cvta_generic_to_shared(raw + idx * 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(valid ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 /* Split one float4 and store it as four (hi, lo) pairs at row/col of a tile. */
@@ -144,6 +166,7 @@ joint_attention_tf32x3(
     uint2* Qs = ft_smem;
     uint2* Ks = Qs + FT_BQ * FT_LDQ;
     uint2* Vs = Ks + FT_BK * FT_LDK;
+    float* V_raw = (float*)(Vs + FT_BK * FT_LDV);
 
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;
@@ -162,9 +185,8 @@ joint_attention_tf32x3(
         ft_store_split4(Qs, FT_LDQ, idx, x);
     }
     float4 k_next[FT_F4_PER_THREAD];
-    float4 v_next[FT_F4_PER_THREAD];
     ft_load_tile(k4, 0u, seq, k_next);
-    ft_load_tile(v4, 0u, seq, v_next);
+    ft_copy_tile_async(V_raw, v4, 0u, seq);
 
     float o[FT_NTILES_O][4];
     #pragma unroll
@@ -177,20 +199,29 @@ joint_attention_tf32x3(
     for (unsigned int tile = 0; tile < n_tiles; tile++) {
         const unsigned int k0 = tile * FT_BK;
         __syncthreads();
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
         #pragma unroll
         for (int i = 0; i < FT_F4_PER_THREAD; i++) {
-            ft_store_split4(Ks, FT_LDK, threadIdx.x + i * FT_THREADS, k_next[i]);
-            ft_store_split4(Vs, FT_LDV, threadIdx.x + i * FT_THREADS, v_next[i]);
+            const unsigned int idx = threadIdx.x + i * FT_THREADS;
+            ft_store_split4(Ks, FT_LDK, idx, k_next[i]);
+            ft_store_split4(Vs, FT_LDV, idx, *(const float4*)(V_raw + idx * 4));
         }
         __syncthreads();
         if (tile + 1 < n_tiles) {
             ft_load_tile(k4, k0 + FT_BK, seq, k_next);
-            ft_load_tile(v4, k0 + FT_BK, seq, v_next);
+            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, seq);
         }
 
+        /* hi.hi products and the two cross terms accumulate apart: tensor-core
+           accumulation truncates, and keeping the large term alone limits
+           that bias to one product per k-step. */
         float s[FT_NTILES_S][4];
+        float s_cross[FT_NTILES_S][4];
         #pragma unroll
-        for (int n = 0; n < FT_NTILES_S; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int n = 0; n < FT_NTILES_S; n++) {
+            #pragma unroll
+            for (int c = 0; c < 4; c++) s[n][c] = s_cross[n][c] = 0.f;
+        }
         #pragma unroll
         for (int ks = 0; ks < FT_KSTEPS; ks++) {
             const uint2* qa = Qw + ks * 8 + t;
@@ -198,8 +229,13 @@ joint_attention_tf32x3(
             #pragma unroll
             for (int n = 0; n < FT_NTILES_S; n++) {
                 const uint2* kb = Ks + (n * 8 + g) * FT_LDK + ks * 8 + t;
-                ft_mma3(s[n], a, kb[0], kb[4]);
+                ft_mma3(s[n], s_cross[n], a, kb[0], kb[4]);
             }
+        }
+        #pragma unroll
+        for (int n = 0; n < FT_NTILES_S; n++) {
+            #pragma unroll
+            for (int c = 0; c < 4; c++) s[n][c] += s_cross[n][c];
         }
 
         if (k0 + FT_BK > seq) {
@@ -232,20 +268,30 @@ joint_attention_tf32x3(
             }
             l_run[r] = l_run[r] * corr[r] + row_sum;
         }
+        /* O = O * corr + P V. Each chunk of FT_PV_CHUNK output tiles sums this
+           key tile in fresh accumulators and is added to O with IEEE-rounded
+           FFMA, so truncation in the tensor cores never compounds across tiles. */
         #pragma unroll
-        for (int j = 0; j < FT_NTILES_O; j++) {
-            o[j][0] *= corr[0];
-            o[j][1] *= corr[0];
-            o[j][2] *= corr[1];
-            o[j][3] *= corr[1];
-        }
-
-        #pragma unroll
-        for (int n = 0; n < FT_NTILES_S; n++) {
-            const uint2 a[4] = {ft_split(s[n][0]), ft_split(s[n][2]), ft_split(s[n][1]), ft_split(s[n][3])};
-            const uint2* vb = Vs + (n * 8 + 2 * t) * FT_LDV + g;
+        for (int j0 = 0; j0 < FT_NTILES_O; j0 += FT_PV_CHUNK) {
+            float acc[FT_PV_CHUNK][4];
             #pragma unroll
-            for (int j = 0; j < FT_NTILES_O; j++) ft_mma3(o[j], a, vb[j * 8], vb[j * 8 + FT_LDV]);
+            for (int jj = 0; jj < FT_PV_CHUNK; jj++) acc[jj][0] = acc[jj][1] = acc[jj][2] = acc[jj][3] = 0.f;
+            #pragma unroll
+            for (int n = 0; n < FT_NTILES_S; n++) {
+                const uint2 a[4] = {ft_split(s[n][0]), ft_split(s[n][2]), ft_split(s[n][1]), ft_split(s[n][3])};
+                const uint2* vb = Vs + (n * 8 + 2 * t) * FT_LDV + j0 * 8 + g;
+                #pragma unroll
+                for (int jj = 0; jj < FT_PV_CHUNK; jj++) {
+                    ft_mma3(acc[jj], acc[jj], a, vb[jj * 8], vb[jj * 8 + FT_LDV]);
+                }
+            }
+            #pragma unroll
+            for (int jj = 0; jj < FT_PV_CHUNK; jj++) {
+                #pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    o[j0 + jj][c] = fmaf(o[j0 + jj][c], corr[c >> 1], acc[jj][c]);
+                }
+            }
         }
     }
 

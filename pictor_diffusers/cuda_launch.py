@@ -23,6 +23,7 @@ from .kernel_sources import (
     TF32X3_HEAD_DIMS,
     KernelVariant,
     f32_variant_for,
+    prologue_variant_for,
     read_source,
     tf32x3_variant_for,
 )
@@ -224,3 +225,73 @@ def flash_attention_tf32x3_cuda(
     scalars = (np.uint32(heads), np.uint32(seq), np.float32(scale * _LOG2_E))
     _launch(variant, (query, key, value, out), scalars, grid, variant.shared_bytes(head_dim))
     return out
+
+
+_IN_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def prologue_blocker(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> str | None:
+    """Why `qkv_prologue` cannot take this layout (the caller then runs torch), or None.
+
+    The kernel reads 4-element vectors, so every row and batch stride must be a
+    multiple of 4 elements and every base 4-element aligned; q/k/v of a segment
+    share strides; all projections share one dtype; text and image norms share eps.
+    """
+    head_dim = weights[0].shape[0]
+    dtype = projections[0].dtype
+    if dtype not in _IN_DTYPES or any(p.dtype != dtype for p in projections):
+        return f"projection dtypes {sorted({str(p.dtype) for p in projections})} are not one of f32/bf16/f16"
+    if head_dim % 4 or head_dim > 128:
+        return f"head_dim={head_dim} is not a multiple of 4 up to 128"
+    if eps[0] != eps[2] or eps[1] != eps[3]:
+        return f"text and image QK norms use different eps {eps}"
+    vector_bytes = 4 * projections[0].element_size()
+    for segment in (projections[:3], projections[3:]):
+        if any(p.stride() != segment[0].stride() for p in segment) or segment[0].stride(-1) != 1:
+            return "q, k, v projections of a segment have different or non-unit last strides"
+        if any(s % 4 for s in segment[0].stride()[:2]) or any(p.data_ptr() % vector_bytes for p in segment):
+            return "projection rows are not 4-element aligned"
+    if rope and any(r.shape != (projections[0].shape[1] + projections[3].shape[1], head_dim) for r in rope):
+        return f"rope tables have shape {tuple(rope[0].shape)}"
+    return None
+
+
+def qkv_prologue_cuda(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run `qkv_prologue` on a layout `prologue_blocker` accepted.
+
+    Args:
+        projections: [q_txt, k_txt, v_txt, q_img, k_img, v_img], each `[B, n, H*D]`
+            in the model dtype (strided views allowed; n_txt may be 0).
+        weights: f32 `[D]` norm weights [q_txt, k_txt, q_img, k_img].
+        rope: [cos, sin], f32 contiguous `[N, D]`, or [] for no RoPE.
+        eps: the four norms' eps.
+
+    Returns:
+        q, k, v: contiguous float32 `[B, H, N, D]`.
+    """
+    head_dim = weights[0].shape[0]
+    text, image = projections[0], projections[3]
+    batch, text_len, seq = image.shape[0], text.shape[1], text.shape[1] + image.shape[1]
+    heads = image.shape[-1] // head_dim
+    outs = tuple(torch.empty((batch, heads, seq, head_dim), dtype=torch.float32, device=image.device) for _ in range(3))
+    variant = prologue_variant_for(head_dim, _IN_DTYPES[image.dtype])
+    if text_len == 0:
+        projections = [*projections[3:], *projections[3:]]
+    rope_tensors = tuple(rope) if rope else (weights[0], weights[0])
+    strides = (text.stride(1), text.stride(0), image.stride(1), image.stride(0))
+    scalars = (
+        *(np.uint64(s) for s in strides),
+        np.uint32(text_len),
+        np.uint32(seq),
+        np.uint32(heads),
+        np.float32(eps[2]),
+        np.float32(eps[3]),
+        np.int32(bool(rope)),
+    )
+    tensors = (*projections, *weights, *rope_tensors, *outs)
+    _launch(variant, tensors, scalars, (seq, batch, 1), 0)
+    return outs

@@ -4,10 +4,12 @@ The `.cu` files sit in the repository's top-level `kernels/` folder; the wheel
 ships them as `pictor_diffusers/kernels/`. A variant is one source compiled
 with its own `-D` defines, so (file, defines) names it fully.
 
-Two kernel families:
+Kernel families:
 * `f32`: `flash_attn_f32.cu`, scalar FP32, the parity reference (any head_dim <= 384).
 * `tf32x3`: `flash_attn_tf32x3.cu`, split-precision TF32 on tensor cores (sm_80+),
   head_dim in {32, 64, 96, 128}, writing f32, bf16 or f16 directly.
+* `prologue`: `qkv_prologue.cu`, QK RMSNorm + RoPE + head-major f32 packing,
+  reading the projections in the model dtype.
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ class KernelVariant:
         """Dynamic shared memory of one block at `head_dim`."""
         if self.source == "flash_attn_f32.cu":
             return 2 * F32_TILE_KEYS * head_dim * 4
+        if self.source == "qkv_prologue.cu":
+            return 0
         d = self.max_head_dim
         pairs = self.rows_per_block * (d + 4) + TF32X3_TILE_KEYS * (d + 4) + TF32X3_TILE_KEYS * (d + 2)
-        return pairs * 8
+        raw_v_tile = TF32X3_TILE_KEYS * d * 4
+        return pairs * 8 + raw_v_tile
 
 
 def _f32_variant(max_head_dim: int) -> KernelVariant:
@@ -87,6 +92,22 @@ def _tf32x3_variant(head_dim: int, out_dtype: str) -> KernelVariant:
     )
 
 
+def prologue_variant_for(head_dim: int, in_dtype: str) -> KernelVariant:
+    """The fused QK-norm / RoPE / head-major prologue for `head_dim` reading `in_dtype`."""
+    if head_dim % 4 or not 4 <= head_dim <= 128:
+        raise ValueError(f"the fused prologue needs head_dim a multiple of 4 in [4, 128], got {head_dim}")
+    return KernelVariant(
+        name=f"prologue_d{head_dim}_{in_dtype}",
+        source="qkv_prologue.cu",
+        entry="qkv_prologue",
+        max_head_dim=head_dim,
+        defines=(("PR_D", str(head_dim)), ("PR_IN_KIND", str(TF32X3_OUT_KINDS[in_dtype]))),
+        threads=256,
+        rows_per_block=1,
+        out_dtype="float32",
+    )
+
+
 F32_VARIANTS: tuple[KernelVariant, ...] = (_f32_variant(128), _f32_variant(256), _f32_variant(384))
 """f32 variants by register budget: d128 (FLUX.2's head_dim), d256 (lean), d384 (wide)."""
 
@@ -94,7 +115,10 @@ TF32X3_VARIANTS: tuple[KernelVariant, ...] = tuple(
     _tf32x3_variant(d, out) for d in TF32X3_HEAD_DIMS for out in TF32X3_OUT_KINDS
 )
 
-ALL_VARIANTS = F32_VARIANTS + TF32X3_VARIANTS
+PROLOGUE_VARIANTS: tuple[KernelVariant, ...] = tuple(prologue_variant_for(128, dtype) for dtype in TF32X3_OUT_KINDS)
+"""The prologue at FLUX.2's head_dim for each model dtype (other head_dims compile on demand)."""
+
+ALL_VARIANTS = F32_VARIANTS + TF32X3_VARIANTS + PROLOGUE_VARIANTS
 
 MAX_HEAD_DIM = F32_VARIANTS[-1].max_head_dim
 

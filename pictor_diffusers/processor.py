@@ -12,9 +12,10 @@ serves both module types of `Flux2Transformer2DModel`:
 The math is that of diffusers' stock `Flux2AttnProcessor` /
 `Flux2ParallelSelfAttnProcessor`: projections, QK RMSNorm, [text, image] token
 order, RoPE, attention, cast back to the model dtype, output projections. The
-difference is precision: after the projections and QK norms, RoPE and
-attention run in float32 whatever the model dtype (the parity contract), on
-CUDA through pictor's kernel and on CPU through its pure-torch twin.
+difference is precision: after the projections, the norms, RoPE and attention
+run in float32 whatever the model dtype (the parity contract). On CUDA that is
+two launches, the fused prologue and the attention kernel, which writes its
+output in the model dtype; on CPU the same algorithms run in torch.
 """
 
 from __future__ import annotations
@@ -25,85 +26,60 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
 from .ops import attention
+from .prologue import Rope, Segment, pack_head_major
+from .validation import OUT_DTYPE_CHOICES, check_kernel_choice
 
-Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate `x` `[B, N, H, D]` by diffusers' interleaved-pair RoPE, in float32.
-
-    `rope` is `(cos, sin)`, each `[N, D]`, as FLUX.2's `Flux2PosEmbed` returns
-    them: pair (x[2i], x[2i+1]) maps to (x[2i] cos - x[2i+1] sin,
-    x[2i+1] cos + x[2i] sin) with cos/sin repeated per pair.
-    """
-    cos, sin = (t.to(device=x.device, dtype=torch.float32)[None, :, None, :] for t in rope)
-    x = x.float()
-    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((-imag, real), dim=-1).flatten(-2)
-    return x * cos + rotated * sin
+_DOUBLE_STREAM_ARGS = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
+_SINGLE_STREAM_ARGS = ("attention_mask", "image_rotary_emb")
 
 
-def attend_token_major(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rope: Rope | None) -> torch.Tensor:
-    """RoPE, head-major f32 layout, attention, cast back.
-
-    Args:
-        query, key, value: token-major `[B, N, H, D]` in the model dtype
-            (after the QK norms).
-        rope: FLUX.2's `(cos, sin)`, each `[N, D]`, or None.
-
-    Returns:
-        `[B, N, H*D]` in the dtype of `query`.
-    """
-    dtype = query.dtype
-    if rope is not None:
-        query = apply_rope(query, rope)
-        key = apply_rope(key, rope)
-    heads_major = [t.float().transpose(1, 2).contiguous() for t in (query, key, value)]
-    return attention(*heads_major).to(dtype)
+def _bind(args: tuple[Any, ...], names: tuple[str, ...], given: dict[str, Any]) -> dict[str, Any]:
+    """Merge positional `args` (in `names` order) with keyword arguments."""
+    if len(args) > len(names):
+        raise TypeError(f"PictorAttn got {len(args)} positional arguments after hidden_states; expected {names}")
+    bound = dict(zip(names, args, strict=False))
+    for name in names[len(args) :]:
+        bound[name] = given.get(name)
+    return bound
 
 
-def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return x.unflatten(-1, (-1, head_dim))
-
-
-def _double_stream_projections(
-    attn: Flux2Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None
-) -> tuple[torch.Tensor, ...]:
-    """Image q, k, v and, with text tokens, text q, k, v; each `[B, N, inner_dim]`."""
-    if getattr(attn, "fused_projections", False):
-        image_qkv = attn.to_qkv(hidden_states).chunk(3, dim=-1)
-        if encoder_hidden_states is None:
-            return image_qkv
-        return image_qkv + attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-    image_qkv = (attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states))
-    if encoder_hidden_states is None:
-        return image_qkv
-    text_qkv = (
-        attn.add_q_proj(encoder_hidden_states),
-        attn.add_k_proj(encoder_hidden_states),
-        attn.add_v_proj(encoder_hidden_states),
-    )
-    return image_qkv + text_qkv
+def _reject_mask(attention_mask: torch.Tensor | None) -> None:
+    if attention_mask is not None:
+        raise ValueError(
+            "PictorAttn computes unmasked attention, as FLUX.2 uses it; got an attention_mask "
+            f"of shape {tuple(attention_mask.shape)}"
+        )
 
 
 class PictorAttn:
-    """Attention processor for FLUX.2 that runs pictor's f32 attention kernel.
+    """Attention processor for FLUX.2 on pictor's f32-accurate attention kernels.
+
+    Args:
+        kernel: "auto" (3xTF32 tensor cores where the GPU and head_dim allow,
+            the scalar-FP32 kernel otherwise), "tf32x3" or "f32" (the reference).
 
     Serves `Flux2Attention` and `Flux2ParallelSelfAttention`; anything else,
     an attention mask, FLUX.2's reference-image KV cache, or an unknown
     keyword raises an error that names it. CUDA tensors need CuPy (the
-    `cuda12` / `cuda13` extras); CPU tensors run the pure-torch twin of the
-    kernel. Inference only: the kernel has no backward.
+    `cuda12` / `cuda13` extras); CPU tensors run the pure-torch twins of the
+    kernels. Inference only: the kernels have no backward.
     """
 
     _attention_backend = None
     _parallel_config = None
+
+    def __init__(self, kernel: str = "auto") -> None:
+        check_kernel_choice(kernel, torch.float32)
+        self.kernel = kernel
 
     def __call__(
         self,
         attn: torch.nn.Module,
         hidden_states: torch.Tensor,
         *args: Any,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: Rope | None = None,
         kv_cache: Any = None,
         kv_cache_mode: str | None = None,
         num_txt_tokens: int = 0,
@@ -117,44 +93,45 @@ class PictorAttn:
                 f"PictorAttn does not serve FLUX.2 reference-image KV caching (kv_cache_mode={kv_cache_mode!r}); "
                 "use diffusers' Flux2KV processors for that mode"
             )
+        given = {
+            "encoder_hidden_states": encoder_hidden_states,
+            "attention_mask": attention_mask,
+            "image_rotary_emb": image_rotary_emb,
+        }
         if isinstance(attn, Flux2ParallelSelfAttention):
-            return self._single_stream(attn, hidden_states, *args)
+            if encoder_hidden_states is not None:
+                raise TypeError("Flux2ParallelSelfAttention takes no encoder_hidden_states")
+            return self._single_stream(attn, hidden_states, **_bind(args, _SINGLE_STREAM_ARGS, given))
         if isinstance(attn, Flux2Attention):
-            return self._double_stream(attn, hidden_states, *args)
+            return self._double_stream(attn, hidden_states, **_bind(args, _DOUBLE_STREAM_ARGS, given))
         raise TypeError(f"PictorAttn serves Flux2Attention and Flux2ParallelSelfAttention, not {type(attn).__name__}")
 
-    @staticmethod
-    def _reject_mask(attention_mask: torch.Tensor | None) -> None:
-        if attention_mask is not None:
-            raise ValueError(
-                "PictorAttn computes unmasked attention, as FLUX.2 uses it; got an attention_mask "
-                f"of shape {tuple(attention_mask.shape)}"
-            )
+    def _attend(self, segments: list[Segment], head_dim: int, rope: Rope | None) -> torch.Tensor:
+        """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype."""
+        dtype = segments[-1].query.dtype
+        query, key, value = pack_head_major(segments, head_dim, rope)
+        out_dtype = dtype if dtype in OUT_DTYPE_CHOICES else torch.float32
+        return attention(query, key, value, out_dtype=out_dtype, kernel=self.kernel).to(dtype)
 
     def _double_stream(
         self,
         attn: Flux2Attention,
         hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: Rope | None = None,
+        encoder_hidden_states: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        image_rotary_emb: Rope | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        self._reject_mask(attention_mask)
-        if encoder_hidden_states is not None and attn.added_kv_proj_dim is None:
-            raise ValueError(
-                "this Flux2Attention has no text projections (added_kv_proj_dim=None) but got encoder_hidden_states"
-            )
-        projections = _double_stream_projections(attn, hidden_states, encoder_hidden_states)
-        query, key, value = (_split_heads(t, attn.head_dim) for t in projections[:3])
-        query, key = attn.norm_q(query), attn.norm_k(key)
+        _reject_mask(attention_mask)
+        segments = [Segment(*_image_projections(attn, hidden_states), attn.norm_q, attn.norm_k)]
         if encoder_hidden_states is not None:
-            text_query, text_key, text_value = (_split_heads(t, attn.head_dim) for t in projections[3:])
-            text_query, text_key = attn.norm_added_q(text_query), attn.norm_added_k(text_key)
-            query = torch.cat([text_query, query], dim=1)
-            key = torch.cat([text_key, key], dim=1)
-            value = torch.cat([text_value, value], dim=1)
+            if attn.added_kv_proj_dim is None:
+                raise ValueError(
+                    "this Flux2Attention has no text projections (added_kv_proj_dim=None) but got encoder_hidden_states"
+                )
+            text = _text_projections(attn, encoder_hidden_states)
+            segments.insert(0, Segment(*text, attn.norm_added_q, attn.norm_added_k))
 
-        hidden_states = attend_token_major(query, key, value, image_rotary_emb)
+        hidden_states = self._attend(segments, attn.head_dim, image_rotary_emb)
 
         if encoder_hidden_states is not None:
             text_len = encoder_hidden_states.shape[1]
@@ -171,18 +148,35 @@ class PictorAttn:
         self,
         attn: Flux2ParallelSelfAttention,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: Rope | None = None,
+        attention_mask: torch.Tensor | None,
+        image_rotary_emb: Rope | None,
     ) -> torch.Tensor:
-        self._reject_mask(attention_mask)
+        _reject_mask(attention_mask)
         projected = attn.to_qkv_mlp_proj(hidden_states)
         qkv_width = 3 * attn.inner_dim
         mlp_width = attn.mlp_hidden_dim * attn.mlp_mult_factor
         local_qkv = projected.shape[-1] * qkv_width // (qkv_width + mlp_width)
         qkv, mlp_hidden_states = projected.split([local_qkv, projected.shape[-1] - local_qkv], dim=-1)
-        query, key, value = (_split_heads(t, attn.head_dim) for t in qkv.chunk(3, dim=-1))
-        query, key = attn.norm_q(query), attn.norm_k(key)
+        segment = Segment(*qkv.chunk(3, dim=-1), attn.norm_q, attn.norm_k)
 
-        attn_output = attend_token_major(query, key, value, image_rotary_emb)
+        attn_output = self._attend([segment], attn.head_dim, image_rotary_emb)
         mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
         return attn.to_out(torch.cat([attn_output, mlp_hidden_states], dim=-1))
+
+
+def _image_projections(attn: Flux2Attention, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Image-token q, k, v `[B, n, inner_dim]`, fused or not."""
+    if getattr(attn, "fused_projections", False):
+        return attn.to_qkv(hidden_states).chunk(3, dim=-1)
+    return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+
+
+def _text_projections(attn: Flux2Attention, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Text-token q, k, v `[B, n, inner_dim]`, fused or not."""
+    if getattr(attn, "fused_projections", False):
+        return attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+    return (
+        attn.add_q_proj(encoder_hidden_states),
+        attn.add_k_proj(encoder_hidden_states),
+        attn.add_v_proj(encoder_hidden_states),
+    )

@@ -49,4 +49,4 @@ def online_softmax_attention(
         acc = acc * correction + torch.matmul(probs, v_tile)
         running_max = new_max
     out = acc / running_sum
-    return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+    return out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)

@@ -49,6 +49,20 @@ def test_tiny_transformer_16bit_within_stock_error(dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tensor_core_path_matches_reference_kernel(dtype: torch.dtype) -> None:
+    """PictorAttn() (fused prologue + 3xTF32) against PictorAttn("f32") on a whole model."""
+    model = build_transformer(device="cuda", dtype=dtype)
+    inputs = transformer_inputs(model, batch=2, latent_hw=(9, 13), text_len=21)
+    model.set_attn_processor(PictorAttn(kernel="f32"))
+    reference = model(**inputs)[0]
+    model.set_attn_processor(PictorAttn())
+    fast = model(**inputs)[0]
+    tolerance = 1e-5 if dtype == torch.float32 else 2.0**-7
+    assert _rel_l2(fast, reference) <= tolerance
+
+
+@torch.no_grad()
 def test_torch_compile_fullgraph() -> None:
     model = build_transformer(device="cuda")
     model.set_attn_processor(PictorAttn())

@@ -1,0 +1,123 @@
+/* qkv_prologue.cu: FLUX.2 attention prologue in one launch (pictor-diffusers).
+
+   Algorithm, per token and head, for q, k and v at once:
+       q, k : RMSNorm over head_dim with the segment's weight (f32 math,
+              y = x * rsqrt(mean(x^2) + eps) * w), then RoPE with diffusers'
+              interleaved pairs: (y0, y1) -> (y0 c0 - y1 s0, y1 c1 + y0 s1)
+       v    : copied
+   and every result is upcast to f32 and written head-major. Tokens come from
+   two segments, joined in FLUX.2's [text, image] order: token n < text_len
+   reads the text projections, the rest read the image projections (the
+   single-stream blocks pass an empty text segment).
+
+   Launch geometry:
+       grid  = (seq, batch), block = PR_THREADS = 256 (8 warps)
+       warp w handles the (tensor, head) items w, w+8, ... of 3 * num_heads;
+       lane l holds dims 4l .. 4l+3 (lanes >= PR_D / 4 idle).
+   Layout:
+       inputs : [batch, tokens, ...] projections in the model dtype (PR_IN_KIND
+                0: f32, 1: bf16, 2: f16, passed as raw bits), head h at column
+                h * PR_D of each token row; row and batch strides in elements;
+                rows 8-byte (16-bit) or 16-byte (f32) aligned
+       weights: [PR_D] f32; cos, sin: [seq, PR_D] f32
+       outputs: q, k, v f32 head-major [batch, num_heads, seq, PR_D]
+   Precision: f32 throughout; the only rounding is f32's. */
+
+#ifndef PR_D
+#define PR_D 128
+#endif
+#ifndef PR_IN_KIND
+#define PR_IN_KIND 1
+#endif
+#define PR_THREADS 256
+#define PR_WARPS (PR_THREADS / 32)
+#define PR_LANES (PR_D / 4)
+
+#if PR_D % 4 != 0 || PR_D > 128
+#error "PR_D must be a multiple of 4, at most 128"
+#endif
+
+#if PR_IN_KIND == 0
+typedef float pr_in_t;
+__device__ __forceinline__ float4 pr_load4(const pr_in_t* p) { return *(const float4*)p; }
+#else
+typedef unsigned short pr_in_t;
+__device__ __forceinline__ float pr_to_f32(unsigned int bits16)
+{
+#if PR_IN_KIND == 1
+    return __uint_as_float(bits16 << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)bits16));
+    return f;
+#endif
+}
+__device__ __forceinline__ float4 pr_load4(const pr_in_t* p)
+{
+    const uint2 raw = *(const uint2*)p;
+    return make_float4(pr_to_f32(raw.x & 0xffffu), pr_to_f32(raw.x >> 16),
+                       pr_to_f32(raw.y & 0xffffu), pr_to_f32(raw.y >> 16));
+}
+#endif
+
+__device__ __forceinline__ float pr_warp_sum(float x)
+{
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+extern "C" __global__ void __launch_bounds__(PR_THREADS)
+qkv_prologue(
+    const pr_in_t* __restrict__ q_txt, const pr_in_t* __restrict__ k_txt, const pr_in_t* __restrict__ v_txt,
+    const pr_in_t* __restrict__ q_img, const pr_in_t* __restrict__ k_img, const pr_in_t* __restrict__ v_img,
+    const float* __restrict__ wq_txt, const float* __restrict__ wk_txt,
+    const float* __restrict__ wq_img, const float* __restrict__ wk_img,
+    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
+    float* __restrict__ q_out, float* __restrict__ k_out, float* __restrict__ v_out,
+    unsigned long long txt_row_stride, unsigned long long txt_batch_stride,
+    unsigned long long img_row_stride, unsigned long long img_batch_stride,
+    unsigned int text_len, unsigned int seq, unsigned int num_heads,
+    float eps_q, float eps_k, int has_rope)
+{
+    const unsigned int n = blockIdx.x;
+    const unsigned int b = blockIdx.y;
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int d = 4u * lane;
+    const bool text = n < text_len;
+    const unsigned long long row = text
+        ? b * txt_batch_stride + n * txt_row_stride
+        : b * img_batch_stride + (n - text_len) * img_row_stride;
+
+    float4 c = make_float4(1.f, 1.f, 1.f, 1.f);
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (has_rope && lane < PR_LANES) {
+        c = *(const float4*)(rope_cos + (unsigned long long)n * PR_D + d);
+        s = *(const float4*)(rope_sin + (unsigned long long)n * PR_D + d);
+    }
+
+    for (unsigned int item = threadIdx.x >> 5; item < 3u * num_heads; item += PR_WARPS) {
+        const unsigned int tensor = item / num_heads;   /* 0: q, 1: k, 2: v (warp-uniform) */
+        const unsigned int h = item % num_heads;
+        const pr_in_t* src = tensor == 0 ? (text ? q_txt : q_img) : tensor == 1 ? (text ? k_txt : k_img)
+                                                                                 : (text ? v_txt : v_img);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (lane < PR_LANES) x = pr_load4(src + row + (unsigned long long)h * PR_D + d);
+        if (tensor < 2) {
+            const float* w = tensor == 0 ? (text ? wq_txt : wq_img) : (text ? wk_txt : wk_img);
+            const float eps = tensor == 0 ? eps_q : eps_k;
+            const float ss = pr_warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
+            const float r = rsqrtf(ss / (float)PR_D + eps);
+            if (lane < PR_LANES) {
+                const float4 wv = *(const float4*)(w + d);
+                const float4 y = make_float4(x.x * r * wv.x, x.y * r * wv.y, x.z * r * wv.z, x.w * r * wv.w);
+                x = make_float4(y.x * c.x - y.y * s.x, y.y * c.y + y.x * s.y,
+                                y.z * c.z - y.w * s.z, y.w * c.w + y.z * s.w);
+            }
+        }
+        if (lane < PR_LANES) {
+            float* dst = tensor == 0 ? q_out : tensor == 1 ? k_out : v_out;
+            *(float4*)(dst + (((unsigned long long)b * num_heads + h) * seq + n) * PR_D + d) = x;
+        }
+    }
+}

@@ -1,0 +1,117 @@
+"""The attention prologue: QK RMSNorm, [text, image] join, RoPE, head-major f32.
+
+`pack_head_major` turns FLUX.2's projection outputs into the attention
+kernel's inputs. On CUDA it is one launch of `kernels/qkv_prologue.cu` for q,
+k and v together, reading the projections in the model dtype where they lie
+(strided views of fused projections included); elsewhere, and for layouts the
+kernel does not take, `pack_head_major_torch` computes the same in torch.
+Both run the norm and RoPE in float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class Segment(NamedTuple):
+    """One run of tokens: projections `[B, n, H*D]` (model dtype) and its QK norms."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    norm_q: torch.nn.Module
+    norm_k: torch.nn.Module
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate `x` `[B, N, H, D]` by diffusers' interleaved-pair RoPE, in float32.
+
+    `rope` is `(cos, sin)`, each `[N, D]`, as FLUX.2's `Flux2PosEmbed` returns
+    them: (x[2i], x[2i+1]) -> (x[2i] cos[2i] - x[2i+1] sin[2i], x[2i+1] cos[2i+1] + x[2i] sin[2i+1]).
+    """
+    cos, sin = (t.to(device=x.device, dtype=torch.float32)[None, :, None, :] for t in rope)
+    x = x.float()
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((-imag, real), dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(f32 weight `[D]`, eps) of a `torch.nn.RMSNorm`; TypeError names any other module."""
+    if not isinstance(norm, torch.nn.RMSNorm):
+        raise TypeError(f"PictorAttn expects torch.nn.RMSNorm QK norms, got {type(norm).__name__}")
+    weight = norm.weight
+    if weight is None:
+        weight = torch.ones(head_dim, device=like.device)
+    eps = norm.eps if norm.eps is not None else torch.finfo(like.dtype).eps
+    return weight.float(), float(eps)
+
+
+def pack_head_major_torch(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch prologue; same arguments as `pictor::qkv_prologue`.
+
+    Returns q, k, v as contiguous float32 `[B, H, N, D]`.
+    """
+    head_dim = weights[0].shape[0]
+    text, image = projections[:3], projections[3:]
+    q_parts, k_parts = [], []
+    for segment, (w_q, w_k), (eps_q, eps_k) in ((text, weights[:2], eps[:2]), (image, weights[2:], eps[2:])):
+        q_parts.append(F.rms_norm(segment[0].unflatten(-1, (-1, head_dim)).float(), (head_dim,), w_q, eps_q))
+        k_parts.append(F.rms_norm(segment[1].unflatten(-1, (-1, head_dim)).float(), (head_dim,), w_k, eps_k))
+    query, key = torch.cat(q_parts, dim=1), torch.cat(k_parts, dim=1)
+    value = torch.cat([text[2], image[2]], dim=1).unflatten(-1, (-1, head_dim)).float()
+    if rope:
+        query, key = apply_rope(query, (rope[0], rope[1])), apply_rope(key, (rope[0], rope[1]))
+    return tuple(t.transpose(1, 2).contiguous() for t in (query, key, value))
+
+
+@torch.library.custom_op("pictor::qkv_prologue", mutates_args=())
+def _prologue_op(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if projections[3].device.type == "cuda":
+        from . import cuda_launch
+
+        if cuda_launch.prologue_blocker(projections, weights, rope, eps) is None:
+            return cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps)
+    return pack_head_major_torch(projections, weights, rope, eps)
+
+
+@_prologue_op.register_fake
+def _prologue_op_fake(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    text, image = projections[0], projections[3]
+    head_dim = weights[0].shape[0]
+    shape = (image.shape[0], image.shape[-1] // head_dim, text.shape[1] + image.shape[1], head_dim)
+    return tuple(image.new_empty(shape, dtype=torch.float32) for _ in range(3))
+
+
+def pack_head_major(segments: list[Segment], head_dim: int, rope: Rope | None) -> tuple[torch.Tensor, ...]:
+    """QK norm, join, RoPE and head-major f32 packing of one or two segments.
+
+    Args:
+        segments: [text, image] for double-stream blocks, [all tokens] for
+            single-stream blocks; projections `[B, n_i, H*D]` in the model dtype.
+        head_dim: D.
+        rope: `(cos, sin)`, each `[sum n_i, D]`, or None.
+
+    Returns:
+        q, k, v: contiguous float32 `[B, H, N, D]`, N = sum of n_i. On CUDA one
+        launch of the fused prologue kernel where the layout allows it.
+    """
+    image = segments[-1]
+    text = segments[0] if len(segments) == 2 else Segment(*(t[:, :0] for t in image[:3]), image.norm_q, image.norm_k)
+    norms = (text.norm_q, text.norm_k, image.norm_q, image.norm_k)
+    params = [norm_params(norm, head_dim, image.query) for norm in norms]
+    rope_list = [t.to(device=image.query.device, dtype=torch.float32).contiguous() for t in rope] if rope else []
+    return torch.ops.pictor.qkv_prologue(
+        [*text[:3], *image[:3]], [w for w, _ in params], rope_list, [e for _, e in params]
+    )

@@ -1,0 +1,204 @@
+"""Every bad input raises its promised error, and the message names the actual value.
+
+`pictor_diffusers.attention` takes contiguous float32 `[B, H, N, D]` on one
+cpu/cuda device with 1 <= D <= 384; `PictorAttn` serves only FLUX.2's two
+attention module types, without masks, KV caching or unknown keywords.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
+from flux2_models import build_transformer, transformer_inputs
+
+from pictor_diffusers import PictorAttn, attention
+from pictor_diffusers.cuda_launch import import_cupy
+
+Shape = tuple[int, int, int, int]
+
+# Valid shapes around which each bad input is built: N = 7 and 257 are not multiples of the
+# kernel's 8-row / 32-key tiles, D = 200 not a multiple of the 32 lanes.
+BASE_SHAPES: list[Shape] = [(1, 2, 7, 32), (2, 3, 257, 200)]
+SHAPE_IDS = ["B{}H{}N{}D{}".format(*shape) for shape in BASE_SHAPES]
+ARGS = ["query", "key", "value"]
+
+
+def qkv(shape: Shape, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator).to(dtype) for _ in range(3)]
+
+
+def with_bad(shape: Shape, position: str, bad: object) -> list[object]:
+    """Valid q, k, v with the one named by `position` replaced by `bad`."""
+    tensors: list[object] = list(qkv(shape))
+    tensors[ARGS.index(position)] = bad
+    return tensors
+
+
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_valid_inputs_pass(shape: Shape) -> None:
+    """The base shapes are valid, so each failure below is due to its one bad property."""
+    out = attention(*qkv(shape))
+    assert out.shape == (shape[0], shape[2], shape[1] * shape[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("position", ARGS)
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_wrong_dtype(shape: Shape, position: str, dtype: torch.dtype) -> None:
+    bad = torch.randn(shape).to(dtype)
+    with pytest.raises(TypeError, match=rf"^{position} has dtype {re.escape(str(dtype))}\b"):
+        attention(*with_bad(shape, position, bad))
+
+
+@pytest.mark.parametrize("position", ARGS)
+@pytest.mark.parametrize("bad", [[[1.0]], 3.0, None], ids=["list", "float", "None"])
+def test_not_a_tensor(position: str, bad: object) -> None:
+    with pytest.raises(TypeError, match=rf"^{position} must be a torch.Tensor, got {type(bad).__name__}$"):
+        attention(*with_bad(BASE_SHAPES[0], position, bad))
+
+
+@pytest.mark.parametrize("position", ARGS)
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_rank_three(shape: Shape, position: str) -> None:
+    flat = (shape[0], shape[2], shape[1] * shape[3])
+    tensors = qkv(shape) if position != "query" else [torch.randn(flat)] * 3
+    tensors[ARGS.index(position)] = torch.randn(flat)
+    with pytest.raises(ValueError, match=rf"^{position} must be head-major .* got shape {re.escape(str(flat))}$"):
+        attention(*tensors)
+
+
+@pytest.mark.parametrize("position", ["key", "value"])
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_mismatched_shapes(shape: Shape, position: str) -> None:
+    other = (shape[0], shape[1], shape[2] + 1, shape[3])
+    with pytest.raises(ValueError, match=re.escape(f"{position} has shape {other} but query has {shape}")):
+        attention(*with_bad(shape, position, torch.randn(other)))
+
+
+@pytest.mark.parametrize("position", ARGS)
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_non_contiguous(shape: Shape, position: str) -> None:
+    batch, heads, seq, head_dim = shape
+    bad = torch.randn(batch, heads, head_dim, seq).transpose(-1, -2)
+    assert bad.shape == shape and not bad.is_contiguous()
+    message = f"{position} must be contiguous [B, H, N, D], got strides {bad.stride()} for shape {shape}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        attention(*with_bad(shape, position, bad))
+
+
+@pytest.mark.parametrize("head_dim", [0, 385, 512])
+@pytest.mark.parametrize("seq", [7, 257])
+def test_head_dim_out_of_range(seq: int, head_dim: int) -> None:
+    with pytest.raises(ValueError, match=rf"^head_dim must be in \[1, 384\], got {head_dim}$"):
+        attention(*qkv((1, 2, seq, head_dim)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "named"),
+    [((1, 2, 0, 32), "N=0"), ((0, 2, 7, 32), "B=0"), ((2, 0, 7, 200), "H=0")],
+    ids=["N0", "B0", "H0"],
+)
+def test_empty_extent(shape: Shape, named: str) -> None:
+    with pytest.raises(ValueError, match=rf"must be >= 1, got .*\b{named}\b"):
+        attention(*qkv(shape))
+
+
+@pytest.mark.parametrize(("shape", "named"), [((65536, 1, 1, 1), "B=65536"), ((1, 65536, 1, 1), "H=65536")])
+def test_grid_limit(shape: Shape, named: str) -> None:
+    with pytest.raises(ValueError, match=rf"must be <= 65535, got .*\b{named}\b"):
+        attention(*qkv(shape))
+
+
+@pytest.mark.parametrize("position", ARGS)
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_meta_device(shape: Shape, position: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{position} is on device meta\b"):
+        attention(*with_bad(shape, position, torch.empty(shape, device="meta")))
+
+
+@pytest.mark.parametrize("kernel", ["tf32", "F32", ""])
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_unknown_kernel_choice(shape: Shape, kernel: str) -> None:
+    with pytest.raises(ValueError, match=rf"kernel must be one of .*, got {re.escape(repr(kernel))}$"):
+        attention(*qkv(shape), kernel=kernel)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float64, torch.int32, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_unsupported_out_dtype(shape: Shape, out_dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match=rf"out_dtype must be one of .*, got {re.escape(str(out_dtype))}$"):
+        attention(*qkv(shape), out_dtype=out_dtype)
+
+
+def test_missing_cupy_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    with pytest.raises(ImportError, match=re.escape("pictor-diffusers[cuda12]")) as info:
+        import_cupy()
+    assert "pictor-diffusers[cuda13]" in str(info.value)
+
+
+# PictorAttn --------------------------------------------------------------------------------
+
+
+def double_module() -> Flux2Attention:
+    torch.manual_seed(0)
+    return Flux2Attention(query_dim=64, heads=2, dim_head=32, added_kv_proj_dim=64, out_dim=64, processor=PictorAttn())
+
+
+def single_module() -> Flux2ParallelSelfAttention:
+    torch.manual_seed(0)
+    return Flux2ParallelSelfAttention(query_dim=64, heads=2, dim_head=32, out_dim=64, mlp_ratio=3.0)
+
+
+@pytest.mark.parametrize(
+    "module", [torch.nn.Linear(4, 4), torch.nn.MultiheadAttention(4, 1)], ids=["Linear", "MultiheadAttention"]
+)
+def test_unsupported_module(module: torch.nn.Module) -> None:
+    with pytest.raises(TypeError, match=rf"not {type(module).__name__}$"):
+        PictorAttn()(module, torch.randn(1, 2, 4))
+
+
+@pytest.mark.parametrize("tokens", [7, 33])
+def test_attention_mask_rejected_double(tokens: int) -> None:
+    attn, mask = double_module(), torch.ones(2, 1, tokens + 5, tokens + 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=re.escape(f"attention_mask of shape {tuple(mask.shape)}")):
+        attn(torch.randn(2, tokens, 64), torch.randn(2, 5, 64), attention_mask=mask)
+
+
+@pytest.mark.parametrize("tokens", [7, 33])
+def test_attention_mask_rejected_single(tokens: int) -> None:
+    attn, mask = single_module(), torch.ones(2, 1, tokens, tokens, dtype=torch.bool)
+    attn.set_processor(PictorAttn())
+    with pytest.raises(ValueError, match=re.escape(f"attention_mask of shape {tuple(mask.shape)}")):
+        attn(torch.randn(2, tokens, 64), attention_mask=mask)
+
+
+def test_encoder_states_without_text_projections() -> None:
+    attn = Flux2Attention(query_dim=64, heads=2, dim_head=32, processor=PictorAttn())
+    with pytest.raises(ValueError, match=r"added_kv_proj_dim=None"):
+        attn(torch.randn(1, 7, 64), torch.randn(1, 5, 64))
+
+
+@pytest.mark.parametrize("key", ["foo", "attn_mask"])
+def test_unknown_kwarg(key: str) -> None:
+    with pytest.raises(TypeError, match=rf"kwargs \['{key}'\]"):
+        PictorAttn()(double_module(), torch.randn(1, 7, 64), torch.randn(1, 5, 64), **{key: 1})
+
+
+@pytest.mark.parametrize("mode", ["extract", "cached"])
+def test_kv_cache_mode_not_implemented(mode: str) -> None:
+    with pytest.raises(NotImplementedError, match=rf"kv_cache_mode='{mode}'"):
+        PictorAttn()(single_module(), torch.randn(1, 7, 64), kv_cache_mode=mode)
+
+
+def test_kv_cache_extract_through_model() -> None:
+    model = build_transformer()
+    model.set_attn_processor(PictorAttn())
+    inputs = transformer_inputs(model, 1, (3, 5), 7)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"kv_cache_mode='extract'"):
+        model(**inputs, kv_cache_mode="extract", num_ref_tokens=5)
