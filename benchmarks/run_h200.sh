@@ -16,12 +16,12 @@ for tool in memcheck racecheck; do
   echo "compute-sanitizer $tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
 done
 
-ncu --clock-control none -k regex:joint_attention -c 2 --section SpeedOfLight --section Occupancy \
+ncu --clock-control none -k regex:joint_attention -c 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
   python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 > "$OUT/ncu.log" 2>&1
-grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers" "$OUT/ncu.log"
+grep -E "joint_attention|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Stall|Warp Cycles Per Issued" "$OUT/ncu.log"
 
 python3 benchmarks/bench_kernel.py --shapes "${1:-1x24x1536x128,1x24x4608x128,1x48x4608x128}" \
   --json "$OUT/kernel_h200.json"
 
 python3 benchmarks/bench_model.py --models "${MODELS:-klein-4B}" --sizes "${SIZES:-1024,2048}" \
-  --json "$OUT/model_h200.json"
+  --reps 3 --json "$OUT/model_h200.json"

@@ -99,8 +99,7 @@ __device__ __forceinline__ uint2 ft_split(float x)
 __device__ __forceinline__ void ft_mma(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
                                        unsigned int a3, unsigned int b0, unsigned int b1)
 {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));

@@ -159,7 +159,9 @@ def _launch(
 
 
 def _dlpack_view(tensor: torch.Tensor) -> torch.Tensor:
-    """16-bit float tensors travel as int16 views: CuPy's bf16 needs ml_dtypes, the kernel needs bits."""
+    """Detached (kernels are inference-only; DLPack refuses tensors that require grad);
+    16-bit floats as int16 views, since CuPy's bf16 needs ml_dtypes and the kernels read bits."""
+    tensor = tensor.detach()
     if tensor.dtype in (torch.bfloat16, torch.float16):
         return tensor.view(torch.int16)
     return tensor

@@ -68,18 +68,33 @@ def test_kernel_matches_float64(kernel: str, shape: tuple[int, int, int, int]) -
     assert max_abs <= MAX_ABS
 
 
+def _sdpa_fp32_error(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ref: torch.Tensor) -> float:
+    """max-abs error of torch's fp32 SDPA (math backend) on the same inputs: f32's own error here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value)
+    batch, heads, seq, head_dim = out.shape
+    return (out.transpose(1, 2).reshape(batch, seq, heads * head_dim).double() - ref).abs().max().item()
+
+
 @pytest.mark.parametrize("kernel", ["f32", "tf32x3"])
 @pytest.mark.parametrize("shape", [(1, 24, 4608, 128), (1, 8, 1000, 64)], ids=_shape_id)
 def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
-    """q and k x8 make softmax rows nearly one-hot: still finite, still f32-accurate."""
+    """q and k x8 (logits up to ~250): finite, and within 2x of fp32 SDPA's own error.
+
+    An absolute 1e-5 is out of reach for any f32 softmax here: a logit of 250
+    carries an f32 rounding of ~1.5e-5, which the exponential passes on.
+    """
     query, key, value = random_qkv(*shape, seed=7)
     query, key = query * 8.0, key * 8.0
     out = _run_kernel(kernel, query, key, value)
     ref = attention_float64(query, key, value)
     assert torch.isfinite(out).all()
     max_abs = (out.double() - ref).abs().max().item()
-    print(f"{kernel} shape={shape} x8 max_abs={max_abs:.3e}")
-    assert max_abs <= MAX_ABS
+    sdpa_err = _sdpa_fp32_error(query, key, value, ref)
+    print(f"{kernel} shape={shape} x8 max_abs={max_abs:.3e} sdpa_fp32_math={sdpa_err:.3e}")
+    assert max_abs <= 2.0 * sdpa_err + 1e-6
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
