@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 
-python3 -m pytest -q -rs -s ${PYTEST_TARGETS:-tests} 2>&1 | tee "$OUT/pytest.log" | grep -E "max_abs|rel err|KLEIN4B|passed|failed|error|SKIP|FAIL" | tail -60
+python3 -m pytest -q -rs -s ${PYTEST_TARGETS:-tests} 2>&1 | tee "$OUT/pytest.log" | grep -E "x8|rel err|KLEIN4B|passed|failed|SKIP|^E  " | tail -40
 
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitizer_cases.py > "$OUT/sanitize_$tool.log" 2>&1
