@@ -1,0 +1,96 @@
+"""What PictorAttn costs besides the kernels: compile, start-up, host overhead per call.
+
+* cold: first `attention()` call in a new process with an empty CuPy kernel cache
+  (NVRTC compile + module load), for the tensor-core kernel and the prologue;
+* warm: the same in a new process whose cache holds the compiled kernels;
+* per call: host time of `attention()` at a small N, launched back to back
+  without synchronising, against the kernel's own CUDA-event time.
+
+    python benchmarks/bench_overheads.py --json benchmarks/results/h200_overheads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+FIRST_CALL = """
+import time, torch
+from pictor_diffusers import attention
+q = torch.randn(1, 2, 64, 128, device="cuda")
+torch.cuda.synchronize()
+start = time.perf_counter()
+attention(q, q, q)
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+"""
+
+
+def first_call_seconds(cache_dir: str) -> float:
+    """Wall time of the first attention() call in a fresh process using `cache_dir`."""
+    env = {**os.environ, "CUPY_CACHE_DIR": cache_dir}
+    result = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, env=env, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def per_call_overhead(calls: int = 2000) -> tuple[float, float]:
+    """(host µs per call launched back to back, kernel µs per call) at B=1, H=2, N=64, D=128."""
+    from pictor_diffusers import attention
+
+    q = torch.randn(1, 2, 64, 128, device="cuda")
+    for _ in range(10):
+        attention(q, q, q)
+    torch.cuda.synchronize()
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = time.perf_counter()
+    start_event.record()
+    for _ in range(calls):
+        attention(q, q, q)
+    host = (time.perf_counter() - start) / calls * 1e6
+    end_event.record()
+    end_event.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention(q, q, q)
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_start, replay_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay_start.record()
+    for _ in range(100):
+        graph.replay()
+    replay_end.record()
+    replay_end.synchronize()
+    return host, replay_start.elapsed_time(replay_end) / 100 * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        cold = first_call_seconds(cache)
+        warm = first_call_seconds(cache)
+    host_us, kernel_us = per_call_overhead()
+    record = {
+        "suite": "overheads",
+        "gpu": torch.cuda.get_device_name(),
+        "first_call_cold_cache_s": cold,
+        "first_call_warm_cache_s": warm,
+        "host_us_per_call": host_us,
+        "kernel_us_per_call_graph_replay": kernel_us,
+    }
+    print(json.dumps(record, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps([record], indent=1))
+
+
+if __name__ == "__main__":
+    main()
