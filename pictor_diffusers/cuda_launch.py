@@ -187,6 +187,12 @@ def flash_attention_f32_cuda(
     """
     batch, heads, seq, head_dim = query.shape
     variant = f32_variant_for(head_dim)
+    needed, allowed = variant.shared_bytes(variant.max_head_dim), _device_limits(query.device.index)[1]
+    if needed > allowed:
+        raise ValueError(
+            f"head_dim={head_dim} needs the {variant.name} kernel with {needed} bytes of shared memory "
+            f"per block; {query.device} allows {allowed}"
+        )
     shape = (batch, seq, heads * head_dim)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=query.device)
@@ -241,6 +247,9 @@ def prologue_blocker(
     multiple of 4 elements and every base 4-element aligned; q/k/v of a segment
     share strides; all projections share one dtype; text and image norms share eps.
     """
+    shape_problem = _prologue_shape_problem(projections, weights, rope)
+    if shape_problem is not None:
+        return shape_problem
     head_dim = weights[0].shape[0]
     dtype = projections[0].dtype
     if dtype not in _IN_DTYPES or any(p.dtype != dtype for p in projections):
@@ -255,8 +264,33 @@ def prologue_blocker(
             return "q, k, v projections of a segment have different or non-unit last strides"
         if any(s % 4 for s in segment[0].stride()[:2]) or any(p.data_ptr() % vector_bytes for p in segment):
             return "projection rows are not 4-element aligned"
-    if rope and any(r.shape != (projections[0].shape[1] + projections[3].shape[1], head_dim) for r in rope):
-        return f"rope tables have shape {tuple(rope[0].shape)}"
+    if any(t.data_ptr() % 16 for t in (*weights, *rope)):
+        return "norm weights or rope tables are not 16-byte aligned"
+    return None
+
+
+def _prologue_shape_problem(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor]
+) -> str | None:
+    """Shapes, devices and dtypes the kernel relies on without checking them itself."""
+    device = projections[3].device
+    if any(t.device != device for t in (*projections, *weights, *rope)):
+        return "projections, norm weights and rope tables are not all on one device"
+    head_dim = weights[0].shape[0] if weights[0].dim() == 1 else 0
+    if any(w.shape != (head_dim,) or w.dtype != torch.float32 or not w.is_contiguous() for w in weights):
+        return f"norm weights must be contiguous float32 [{head_dim}]"
+    if any(p.dim() != 3 for p in projections):
+        return "projections must be [B, n, H*D]"
+    batch, width = projections[3].shape[0], projections[3].shape[2]
+    if head_dim == 0 or width % head_dim or any(p.shape[0] != batch or p.shape[2] != width for p in projections):
+        return f"projections differ in batch or width, or width is not a multiple of head_dim={head_dim}"
+    if any(p.shape[1] != seg[0].shape[1] for seg in (projections[:3], projections[3:]) for p in seg):
+        return "q, k and v of a segment differ in token count"
+    seq = projections[0].shape[1] + projections[3].shape[1]
+    if rope and (len(rope) != 2 or any(r.shape != (seq, head_dim) or r.dtype != torch.float32 for r in rope)):
+        return f"rope tables must be two float32 [{seq}, {head_dim}] tensors"
+    if rope and not all(r.is_contiguous() for r in rope):
+        return "rope tables are not contiguous"
     return None
 
 

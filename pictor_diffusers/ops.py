@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .reference import online_softmax_attention
-from .validation import check_attention_inputs, check_kernel_choice
+from .validation import check_attention_inputs, check_kernel_choice, check_scale
 
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,6 +19,9 @@ OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 def _attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
 ) -> torch.Tensor:
+    check_attention_inputs(query, key, value)
+    check_scale(scale)
+    check_kernel_choice(kernel, OUT_DTYPES[out_dtype])
     dtype = OUT_DTYPES[out_dtype]
     if query.device.type != "cuda":
         return online_softmax_attention(query, key, value, scale).to(dtype)
@@ -40,6 +43,13 @@ def _attention_op_fake(
     return query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
 
 
+def _no_backward(ctx: object, grad: torch.Tensor) -> None:
+    raise NotImplementedError("pictor-diffusers kernels are inference-only: attention has no backward")
+
+
+_attention_op.register_autograd(_no_backward)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -54,7 +64,7 @@ def attention(
     Args:
         query, key, value: head-major `[B, H, N, D]`, contiguous torch.float32,
             all on one device. 1 <= D <= 384; any N >= 1.
-        scale: logit scale; defaults to `D ** -0.5`.
+        scale: logit scale, finite and > 0; defaults to `D ** -0.5`.
         out_dtype: float32, bfloat16 or float16; the f32 result is rounded once.
         kernel: "auto" (tensor cores where possible), "tf32x3" (require the
             3xTF32 tensor-core kernel) or "f32" (the scalar-FP32 reference kernel).
@@ -72,4 +82,5 @@ def attention(
     check_kernel_choice(kernel, out_dtype)
     if scale is None:
         scale = query.shape[-1] ** -0.5
+    check_scale(float(scale))
     return torch.ops.pictor.attention(query, key, value, float(scale), kernel, str(out_dtype).removeprefix("torch."))

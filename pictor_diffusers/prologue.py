@@ -48,6 +48,12 @@ def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tup
     weight = norm.weight
     if weight is None:
         weight = torch.ones(head_dim, device=like.device)
+    if weight.device != like.device:
+        raise RuntimeError(
+            f"PictorAttn reads QK-norm weights directly, but this one is on {weight.device} while the "
+            f"projections are on {like.device}; per-layer offloading (enable_sequential_cpu_offload, "
+            "leaf-level group offloading) is not supported, enable_model_cpu_offload is"
+        )
     eps = norm.eps if norm.eps is not None else torch.finfo(like.dtype).eps
     return weight.float(), float(eps)
 
@@ -92,6 +98,13 @@ def _prologue_op_fake(
     head_dim = weights[0].shape[0]
     shape = (image.shape[0], image.shape[-1] // head_dim, text.shape[1] + image.shape[1], head_dim)
     return tuple(image.new_empty(shape, dtype=torch.float32) for _ in range(3))
+
+
+def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
+    raise NotImplementedError("pictor-diffusers kernels are inference-only: the prologue has no backward")
+
+
+_prologue_op.register_autograd(_no_backward)
 
 
 def pack_head_major(segments: list[Segment], head_dim: int, rope: Rope | None) -> tuple[torch.Tensor, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernel_sources import MAX_HEAD_DIM
@@ -62,3 +64,9 @@ def check_kernel_choice(kernel: str, out_dtype: torch.dtype) -> None:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if out_dtype not in OUT_DTYPE_CHOICES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPE_CHOICES}, got {out_dtype}")
+
+
+def check_scale(scale: float) -> None:
+    """Raise ValueError unless the logit scale is a finite positive number."""
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")

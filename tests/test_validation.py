@@ -202,3 +202,60 @@ def test_kv_cache_extract_through_model() -> None:
     inputs = transformer_inputs(model, 1, (3, 5), 7)
     with torch.no_grad(), pytest.raises(NotImplementedError, match=r"kv_cache_mode='extract'"):
         model(**inputs, kv_cache_mode="extract", num_ref_tokens=5)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])
+def test_non_positive_or_non_finite_scale_is_refused(scale: float) -> None:
+    query = torch.randn(1, 2, 9, 16)
+    with pytest.raises(ValueError, match=f"scale must be a finite positive number, got {scale}"):
+        attention(query, query, query, scale=scale)
+
+
+def test_raw_custom_op_validates_its_inputs() -> None:
+    """torch.ops.pictor.attention is public too: it must not trust its caller."""
+    query = torch.randn(1, 2, 9, 16).transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.pictor.attention(query, query, query, 0.25, "auto", "float32")
+
+
+def test_backward_says_inference_only() -> None:
+    query = torch.randn(1, 2, 9, 16, requires_grad=True)
+    out = attention(query, query, query)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        out.sum().backward()
+
+
+def _prologue_args(text_batch: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    text = [torch.randn(text_batch, 5, 64) for _ in range(3)]
+    image = [torch.randn(2, 7, 64) for _ in range(3)]
+    weights = [torch.ones(32) for _ in range(4)]
+    rope = [torch.ones(12, 32), torch.zeros(12, 32)]
+    return text + image, weights, rope
+
+
+def test_prologue_blocker_accepts_a_valid_layout() -> None:
+    from pictor_diffusers.cuda_launch import prologue_blocker
+
+    projections, weights, rope = _prologue_args()
+    assert prologue_blocker(projections, weights, rope, [1e-6] * 4) is None
+
+
+@pytest.mark.parametrize(
+    ("break_it", "reason"),
+    [
+        (lambda p, w, r: p.__setitem__(0, p[0][:1]), "batch"),
+        (lambda p, w, r: p.__setitem__(1, p[1][:, :3]), "token count"),
+        (lambda p, w, r: w.__setitem__(0, torch.ones(32, dtype=torch.float64)), "norm weights"),
+        (lambda p, w, r: r.__setitem__(0, torch.ones(11, 32)), "rope"),
+        (lambda p, w, r: p.__setitem__(3, torch.randn(2, 7, 60)), "batch or width"),
+    ],
+    ids=["text-batch", "kv-length", "weight-dtype", "rope-shape", "width"],
+)
+def test_prologue_blocker_refuses_inconsistent_shapes(break_it, reason: str) -> None:
+    """The kernel trusts these shapes; the blocker hands such calls to torch, which raises or copes."""
+    from pictor_diffusers.cuda_launch import prologue_blocker
+
+    projections, weights, rope = _prologue_args()
+    break_it(projections, weights, rope)
+    problem = prologue_blocker(projections, weights, rope, [1e-6] * 4)
+    assert problem is not None and reason in problem
