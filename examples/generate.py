@@ -78,7 +78,10 @@ def generate(pipe, args: argparse.Namespace, processor: object) -> tuple[Image.I
         stamps.append(time.perf_counter())
         return kwargs
 
-    extra = {"prompt_embeds": synthetic_prompt_embeds(args.prompt)} if args.tiny else {"prompt": args.prompt}
+    if args.tiny:
+        extra = {"prompt_embeds": synthetic_prompt_embeds(args.prompt).to(args.device, args.dtype)}
+    else:
+        extra = {"prompt": args.prompt}
     start = time.perf_counter()
     image = pipe(
         **extra,
