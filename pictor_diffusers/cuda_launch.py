@@ -40,7 +40,6 @@ CUPY_INSTALL_HINT = (
 
 _kernels: dict[tuple[str, int], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
-_MAX_CACHED_STREAMS = 64  # each wrapper keeps its torch stream alive; bound what we hold
 _lock = threading.Lock()
 
 
@@ -86,8 +85,6 @@ def _cupy_stream(cupy: Any, device: torch.device) -> Any:
     cache_key = (device.index, torch_stream.cuda_stream)
     stream = _streams.get(cache_key)
     if stream is None:
-        if len(_streams) >= _MAX_CACHED_STREAMS:
-            _streams.clear()
         stream = cupy.cuda.Stream.from_external(torch_stream)
         _streams[cache_key] = stream
     return stream
