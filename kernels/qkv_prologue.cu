@@ -5,7 +5,8 @@
               y = x * rsqrt(mean(x^2) + eps) * w), then RoPE with diffusers'
               interleaved pairs: (y0, y1) -> (y0 c0 - y1 s0, y1 c1 + y0 s1)
        v    : copied
-   and every result is upcast to f32 and written head-major. Tokens come from
+   and every result is written head-major in f32 or, for the 16-bit attention
+   path, rounded once to the output dtype. Tokens come from
    two segments, joined in FLUX.2's [text, image] order: token n < text_len
    reads the text projections, the rest read the image projections (the
    single-stream blocks pass an empty text segment).
@@ -20,14 +21,18 @@
                 h * PR_D of each token row; row and batch strides in elements;
                 rows 8-byte (16-bit) or 16-byte (f32) aligned
        weights: [PR_D] f32; cos, sin: [seq, PR_D] f32
-       outputs: q, k, v f32 head-major [batch, num_heads, seq, PR_D]
-   Precision: f32 throughout; the only rounding is f32's. */
+       outputs: q, k, v head-major [batch, num_heads, seq, PR_D] in PR_OUT_KIND
+                (0: f32, 1: bf16, 2: f16, written as raw bits)
+   Precision: f32 throughout; a 16-bit output is rounded once, to nearest even. */
 
 #ifndef PR_D
 #define PR_D 128
 #endif
 #ifndef PR_IN_KIND
 #define PR_IN_KIND 1
+#endif
+#ifndef PR_OUT_KIND
+#define PR_OUT_KIND 0
 #endif
 #define PR_THREADS 256
 #define PR_WARPS (PR_THREADS / 32)
@@ -60,6 +65,27 @@ __device__ __forceinline__ float4 pr_load4(const pr_in_t* p)
 }
 #endif
 
+#if PR_OUT_KIND == 0
+typedef float pr_out_t;
+__device__ __forceinline__ void pr_store4(pr_out_t* p, float4 x) { *(float4*)p = x; }
+#else
+typedef unsigned short pr_out_t;
+__device__ __forceinline__ unsigned int pr_pack2(float lo, float hi)
+{
+    unsigned int r;
+#if PR_OUT_KIND == 1
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+__device__ __forceinline__ void pr_store4(pr_out_t* p, float4 x)
+{
+    *(uint2*)p = make_uint2(pr_pack2(x.x, x.y), pr_pack2(x.z, x.w));
+}
+#endif
+
 __device__ __forceinline__ float pr_warp_sum(float x)
 {
     #pragma unroll
@@ -74,7 +100,7 @@ qkv_prologue(
     const float* __restrict__ wq_txt, const float* __restrict__ wk_txt,
     const float* __restrict__ wq_img, const float* __restrict__ wk_img,
     const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
-    float* __restrict__ q_out, float* __restrict__ k_out, float* __restrict__ v_out,
+    pr_out_t* __restrict__ q_out, pr_out_t* __restrict__ k_out, pr_out_t* __restrict__ v_out,
     unsigned long long txt_row_stride, unsigned long long txt_batch_stride,
     unsigned long long img_row_stride, unsigned long long img_batch_stride,
     unsigned int text_len, unsigned int seq, unsigned int num_heads,
@@ -116,8 +142,8 @@ qkv_prologue(
             }
         }
         if (lane < PR_LANES) {
-            float* dst = tensor == 0 ? q_out : tensor == 1 ? k_out : v_out;
-            *(float4*)(dst + (((unsigned long long)b * num_heads + h) * seq + n) * PR_D + d) = x;
+            pr_out_t* dst = tensor == 0 ? q_out : tensor == 1 ? k_out : v_out;
+            pr_store4(dst + (((unsigned long long)b * num_heads + h) * seq + n) * PR_D + d, x);
         }
     }
 }

@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from .kernel_sources import (
+    MMA16_HEAD_DIMS,
     TF32X3_HEAD_DIMS,
     KernelVariant,
     f32_variant_for,
+    mma16_variant_for,
     prologue_variant_for,
     read_source,
     tf32x3_variant_for,
@@ -134,6 +136,24 @@ def tensor_core_blocker(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return None
 
 
+def mma16_blocker(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why the portable 16-bit mma.sync kernel cannot take these CUDA inputs, or None if it can."""
+    head_dim = query.shape[-1]
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {query.dtype} is not bfloat16 or float16"
+    if head_dim not in MMA16_HEAD_DIMS:
+        return f"head_dim={head_dim} is not one of {MMA16_HEAD_DIMS}"
+    capability, shared_limit = _device_limits(query.device.index)
+    if capability < (8, 0):
+        return f"compute capability {capability} has no bf16 mma.sync tensor cores (needs 8.0+)"
+    needed = mma16_variant_for(head_dim, "bfloat16").shared_bytes(head_dim)
+    if needed > shared_limit:
+        return f"needs {needed} bytes of shared memory per block, the device allows {shared_limit}"
+    if any(t.data_ptr() % 16 for t in (query, key, value)):
+        return "q, k or v is not 16-byte aligned"
+    return None
+
+
 def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
         raise ValueError(
@@ -235,6 +255,36 @@ def flash_attention_tf32x3_cuda(
     return out
 
 
+def flash_attention_mma16_cuda(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the portable 16-bit tensor-core kernel `joint_attention_mma16`.
+
+    Args:
+        query, key, value: contiguous 16-byte-aligned bfloat16 or float16
+            `[B, H, N, D]` on one CUDA device of compute capability 8.0+, D in {64, 128}.
+        scale: logit scale.
+        out: optional contiguous `[B, N, H*D]` destination of the inputs' dtype.
+
+    Returns:
+        `[B, N, H*D]` (token-major) in the inputs' dtype.
+    """
+    batch, heads, seq, head_dim = query.shape
+    variant = mma16_variant_for(head_dim, _IN_DTYPES[query.dtype])
+    shape = (batch, seq, heads * head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=query.dtype, device=query.device)
+    _check_out(out, shape, query.dtype, query.device)
+    grid = (-(-seq // variant.rows_per_block), heads, batch)
+    scalars = (np.uint32(heads), np.uint32(seq), np.float32(scale * _LOG2_E))
+    _launch(variant, (query, key, value, out), scalars, grid, variant.shared_bytes(head_dim))
+    return out
+
+
 _IN_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -295,7 +345,11 @@ def _prologue_shape_problem(
 
 
 def qkv_prologue_cuda(
-    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+    projections: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    rope: list[torch.Tensor],
+    eps: list[float],
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run `qkv_prologue` on a layout `prologue_blocker` accepted.
 
@@ -305,16 +359,17 @@ def qkv_prologue_cuda(
         weights: f32 `[D]` norm weights [q_txt, k_txt, q_img, k_img].
         rope: [cos, sin], f32 contiguous `[N, D]`, or [] for no RoPE.
         eps: the four norms' eps.
+        out_dtype: float32, bfloat16 or float16 for the outputs.
 
     Returns:
-        q, k, v: contiguous float32 `[B, H, N, D]`.
+        q, k, v: contiguous `[B, H, N, D]` in `out_dtype`.
     """
     head_dim = weights[0].shape[0]
     text, image = projections[0], projections[3]
     batch, text_len, seq = image.shape[0], text.shape[1], text.shape[1] + image.shape[1]
     heads = image.shape[-1] // head_dim
-    outs = tuple(torch.empty((batch, heads, seq, head_dim), dtype=torch.float32, device=image.device) for _ in range(3))
-    variant = prologue_variant_for(head_dim, _IN_DTYPES[image.dtype])
+    outs = tuple(torch.empty((batch, heads, seq, head_dim), dtype=out_dtype, device=image.device) for _ in range(3))
+    variant = prologue_variant_for(head_dim, _IN_DTYPES[image.dtype], _IN_DTYPES[out_dtype])
     if text_len == 0:
         projections = [*projections[3:], *projections[3:]]
     rope_tensors = tuple(rope) if rope else (weights[0], weights[0])

@@ -1,13 +1,24 @@
-"""Ahead-of-launch NVRTC compilation to PTX; needs no GPU and no driver.
+"""NVRTC compilation without a GPU: PTX for inspection, cubins for sm_90a.
 
-Used by the compile tests (every variant, sm_80 and sm_90, on a CPU-only
-machine) and by anyone who wants to inspect the generated code. Launches go
-through `cuda_launch`, which lets CuPy compile for the device at hand.
+* `compile_ptx`: used by the compile tests (every variant, on a CPU-only
+  machine). Most launches go through `cuda_launch`, where CuPy compiles for
+  the device at hand.
+* `compile_cubin` / `cached_cubin`: kernels that need an arch-specific target
+  (wgmma and setmaxnreg need sm_90a, which `cupy.RawModule(code=...)` cannot
+  ask for) are compiled here to a cubin and cached on disk, keyed by source,
+  options and NVRTC version; CuPy then loads the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
 from .kernel_sources import KernelVariant, read_source
+
+CACHE_ENV = "PICTOR_CACHE_DIR"
 
 
 def load_nvrtc_library() -> None:
@@ -35,21 +46,75 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(nvrtc.getVersion())
 
 
-def compile_ptx(variant: KernelVariant, arch: str) -> str:
-    """Compile `variant` to PTX for `arch` (e.g. "sm_90"); raises with the NVRTC log."""
+def _compile(variant: KernelVariant, target: str, cubin: bool) -> bytes:
     load_nvrtc_library()
     from cupy_backends.cuda.libs import nvrtc
 
-    source = read_source(variant)
-    program = nvrtc.createProgram(source, variant.source, [], [])
-    options = [f"--gpu-architecture=compute_{arch.removeprefix('sm_')}", *variant.options()]
+    program = nvrtc.createProgram(read_source(variant), variant.source, [], [])
     try:
         try:
-            nvrtc.compileProgram(program, options)
+            nvrtc.compileProgram(program, [f"--gpu-architecture={target}", *variant.options()])
         except nvrtc.NVRTCError as error:
             log = nvrtc.getProgramLog(program)
-            raise RuntimeError(f"NVRTC failed on {variant.name} for {arch}:\n{log}") from error
-        ptx = nvrtc.getPTX(program)
-        return ptx.decode() if isinstance(ptx, bytes) else ptx
+            raise RuntimeError(f"NVRTC failed on {variant.name} for {target}:\n{log}") from error
+        code = nvrtc.getCUBIN(program) if cubin else nvrtc.getPTX(program)
+        return code if isinstance(code, bytes) else code.encode()
     finally:
         nvrtc.destroyProgram(program)
+
+
+def compile_ptx(variant: KernelVariant, arch: str) -> str:
+    """Compile `variant` to PTX for `arch` (e.g. "sm_90", "sm_90a"); raises with the NVRTC log."""
+    return _compile(variant, f"compute_{arch.removeprefix('sm_')}", cubin=False).decode().rstrip("\0")
+
+
+def compile_cubin(variant: KernelVariant, arch: str) -> bytes:
+    """Compile `variant` to a cubin for exactly `arch` (e.g. "sm_90a"); raises with the NVRTC log."""
+    return _restore_elf_tail(_compile(variant, arch, cubin=True))
+
+
+def _restore_elf_tail(cubin: bytes) -> bytes:
+    """Undo CuPy's `getCUBIN` dropping the last byte as if it were a C string's NUL.
+
+    A cubin is a 64-bit ELF that ends with its section- or program-header
+    table; the byte CuPy drops is the top byte of that table's last 8-byte
+    little-endian field, which is 0; put it back.
+    """
+
+    def field(at: int, width: int) -> int:
+        return int.from_bytes(cubin[at : at + width], "little")
+
+    program_headers_end = field(0x20, 8) + field(0x36, 2) * field(0x38, 2)
+    section_headers_end = field(0x28, 8) + field(0x3A, 2) * field(0x3C, 2)
+    missing = max(program_headers_end, section_headers_end) - len(cubin)
+    if cubin[:5] != b"\x7fELF\x02" or missing not in (0, 1):
+        raise RuntimeError(f"NVRTC returned a cubin of {len(cubin)} bytes that is not a complete 64-bit ELF")
+    return cubin + b"\0" * missing
+
+
+def cache_dir() -> Path:
+    """Where cubins are cached: $PICTOR_CACHE_DIR, else ~/.cache/pictor-diffusers."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pictor-diffusers"
+
+
+def cached_cubin(variant: KernelVariant, arch: str) -> Path:
+    """Path of `variant`'s cubin for `arch`, compiled on a cache miss.
+
+    The file name hashes the source text, the options, the arch and the NVRTC
+    version, so an edited kernel or a new toolkit never reuses a stale binary.
+    Writes are atomic (temporary file + rename), safe across processes.
+    """
+    key = "\0".join((read_source(variant), *variant.options(), arch, repr(nvrtc_version())))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    path = cache_dir() / f"{variant.name}-{arch}-{digest}.cubin"
+    if path.is_file():
+        return path
+    cubin = compile_cubin(variant, arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
+        handle.write(cubin)
+    os.replace(handle.name, path)
+    return path

@@ -11,11 +11,18 @@ serves both module types of `Flux2Transformer2DModel`:
 
 The math is that of diffusers' stock `Flux2AttnProcessor` /
 `Flux2ParallelSelfAttnProcessor`: projections, QK RMSNorm, [text, image] token
-order, RoPE, attention, cast back to the model dtype, output projections. The
-difference is precision: after the projections, the norms, RoPE and attention
-run in float32 whatever the model dtype (the parity contract). On CUDA that is
-two launches, the fused prologue and the attention kernel, which writes its
-output in the model dtype; on CPU the same algorithms run in torch.
+order, RoPE, attention, cast back to the model dtype, output projections. On
+CUDA the part after the projections is two launches, the fused prologue and
+the attention kernel, which writes its output in the model dtype; on CPU the
+same algorithms run in torch. `precision` picks the contract:
+
+* "fp32" (default, parity): norms, RoPE and attention in float32 whatever the
+  model dtype; attention matches float64 to about 1e-6.
+* "bf16" / "fp16" (speed): norms and RoPE in float32, q/k/v rounded once to the
+  16-bit dtype, attention on 16-bit tensor cores with f32 accumulation and f32
+  softmax (wgmma on Hopper); as accurate as SDPA's 16-bit kernels.
+* "auto": the 16-bit path in the model's dtype for bf16/fp16 models, "fp32"
+  for fp32 models.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux
 
 from .ops import attention
 from .prologue import Rope, Segment, pack_head_major
-from .validation import OUT_DTYPE_CHOICES, check_kernel_choice
+from .validation import F32_KERNELS, HALF_KERNELS, OUT_DTYPE_CHOICES
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
 _DOUBLE_STREAM_ARGS = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
 _SINGLE_STREAM_ARGS = ("attention_mask", "image_rotary_emb")
 
@@ -51,12 +59,25 @@ def _reject_mask(attention_mask: torch.Tensor | None) -> None:
         )
 
 
+def _check_precision(precision: str, kernel: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+    allowed = {"fp32": F32_KERNELS, "auto": ("auto",)}.get(precision, HALF_KERNELS)
+    if kernel not in allowed:
+        raise ValueError(f"kernel={kernel!r} does not serve precision={precision!r}; choose one of {allowed}")
+
+
 class PictorAttn:
-    """Attention processor for FLUX.2 on pictor's f32-accurate attention kernels.
+    """Attention processor for FLUX.2 on pictor's attention kernels.
 
     Args:
-        kernel: "auto" (3xTF32 tensor cores where the GPU and head_dim allow,
-            the scalar-FP32 kernel otherwise), "tf32x3" or "f32" (the reference).
+        kernel: for precision "fp32": "auto" (3xTF32 tensor cores where the
+            GPU and head_dim allow, the scalar-FP32 kernel otherwise),
+            "tf32x3" or "f32" (the reference). For "bf16"/"fp16": "auto"
+            (wgmma on Hopper, mma.sync elsewhere), "wgmma" or "mma16". For
+            "auto": "auto" only.
+        precision: "fp32" (parity, default), "bf16", "fp16" or "auto" (the
+            model's 16-bit dtype where it has one); see the module docstring.
 
     Serves `Flux2Attention` and `Flux2ParallelSelfAttention`; anything else,
     an attention mask, FLUX.2's reference-image KV cache, or an unknown
@@ -68,9 +89,17 @@ class PictorAttn:
     _attention_backend = None
     _parallel_config = None
 
-    def __init__(self, kernel: str = "auto") -> None:
-        check_kernel_choice(kernel, torch.float32)
+    def __init__(self, kernel: str = "auto", precision: str = "fp32") -> None:
+        _check_precision(precision, kernel)
         self.kernel = kernel
+        self.precision = precision
+
+    def _compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype q, k, v are packed in: float32, or the 16-bit dtype of the fast path."""
+        chosen = PRECISIONS[self.precision]
+        if chosen is not None:
+            return chosen
+        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
     def __call__(
         self,
@@ -109,8 +138,9 @@ class PictorAttn:
     def _attend(self, segments: list[Segment], head_dim: int, rope: Rope | None) -> torch.Tensor:
         """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype."""
         dtype = segments[-1].query.dtype
-        query, key, value = pack_head_major(segments, head_dim, rope)
-        out_dtype = dtype if dtype in OUT_DTYPE_CHOICES else torch.float32
+        compute = self._compute_dtype(dtype)
+        query, key, value = pack_head_major(segments, head_dim, rope, compute)
+        out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
         return attention(query, key, value, out_dtype=out_dtype, kernel=self.kernel).to(dtype)
 
     def _double_stream(

@@ -1,11 +1,12 @@
-"""The attention prologue: QK RMSNorm, [text, image] join, RoPE, head-major f32.
+"""The attention prologue: QK RMSNorm, [text, image] join, RoPE, head-major packing.
 
 `pack_head_major` turns FLUX.2's projection outputs into the attention
 kernel's inputs. On CUDA it is one launch of `kernels/qkv_prologue.cu` for q,
 k and v together, reading the projections in the model dtype where they lie
 (strided views of fused projections included); elsewhere, and for layouts the
 kernel does not take, `pack_head_major_torch` computes the same in torch.
-Both run the norm and RoPE in float32.
+Both run the norm and RoPE in float32 and round once into the output dtype
+(float32 for the parity path, the model's 16-bit dtype for the fast path).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 Rope = tuple[torch.Tensor, torch.Tensor]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Segment(NamedTuple):
@@ -80,24 +82,33 @@ def pack_head_major_torch(
 
 @torch.library.custom_op("pictor::qkv_prologue", mutates_args=())
 def _prologue_op(
-    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+    projections: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    rope: list[torch.Tensor],
+    eps: list[float],
+    out_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = _DTYPES[out_dtype]
     if projections[3].device.type == "cuda":
         from . import cuda_launch
 
         if cuda_launch.prologue_blocker(projections, weights, rope, eps) is None:
-            return cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps)
-    return pack_head_major_torch(projections, weights, rope, eps)
+            return cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps, dtype)
+    return tuple(t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
 
 
 @_prologue_op.register_fake
 def _prologue_op_fake(
-    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+    projections: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    rope: list[torch.Tensor],
+    eps: list[float],
+    out_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     text, image = projections[0], projections[3]
     head_dim = weights[0].shape[0]
     shape = (image.shape[0], image.shape[-1] // head_dim, text.shape[1] + image.shape[1], head_dim)
-    return tuple(image.new_empty(shape, dtype=torch.float32) for _ in range(3))
+    return tuple(image.new_empty(shape, dtype=_DTYPES[out_dtype]) for _ in range(3))
 
 
 def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
@@ -107,24 +118,30 @@ def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
 _prologue_op.register_autograd(_no_backward)
 
 
-def pack_head_major(segments: list[Segment], head_dim: int, rope: Rope | None) -> tuple[torch.Tensor, ...]:
-    """QK norm, join, RoPE and head-major f32 packing of one or two segments.
+def pack_head_major(
+    segments: list[Segment], head_dim: int, rope: Rope | None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    """QK norm, join, RoPE and head-major packing of one or two segments.
 
     Args:
         segments: [text, image] for double-stream blocks, [all tokens] for
             single-stream blocks; projections `[B, n_i, H*D]` in the model dtype.
         head_dim: D.
         rope: `(cos, sin)`, each `[sum n_i, D]`, or None.
+        dtype: float32, bfloat16 or float16 for the outputs (math is f32 either way).
 
     Returns:
-        q, k, v: contiguous float32 `[B, H, N, D]`, N = sum of n_i. On CUDA one
+        q, k, v: contiguous `[B, H, N, D]` in `dtype`, N = sum of n_i. On CUDA one
         launch of the fused prologue kernel where the layout allows it.
     """
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
     image = segments[-1]
     text = segments[0] if len(segments) == 2 else Segment(*(t[:, :0] for t in image[:3]), image.norm_q, image.norm_k)
     norms = (text.norm_q, text.norm_k, image.norm_q, image.norm_k)
     params = [norm_params(norm, head_dim, image.query) for norm in norms]
     rope_list = [t.to(device=image.query.device, dtype=torch.float32).contiguous() for t in rope] if rope else []
     return torch.ops.pictor.qkv_prologue(
-        [*text[:3], *image[:3]], [w for w, _ in params], rope_list, [e for _, e in params]
+        [*text[:3], *image[:3]], [w for w, _ in params], rope_list, [e for _, e in params],
+        str(dtype).removeprefix("torch."),
     )

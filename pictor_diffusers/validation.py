@@ -14,9 +14,10 @@ _MAX_GRID_YZ = 65535
 def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Raise ValueError/TypeError unless q, k, v are valid head-major inputs.
 
-    Valid means: three tensors on one CPU or CUDA device, float32, rank 4
-    `[B, H, N, D]` with identical shapes, contiguous, B, H, N >= 1,
-    1 <= D <= 384, and B, H <= 65535 (the kernel's grid limits).
+    Valid means: three tensors on one CPU or CUDA device, one dtype out of
+    float32 / bfloat16 / float16, rank 4 `[B, H, N, D]` with identical shapes,
+    contiguous, B, H, N >= 1, 1 <= D <= 384, and B, H <= 65535 (the kernels'
+    grid limits).
     """
     tensors = {"query": query, "key": key, "value": value}
     for name, tensor in tensors.items():
@@ -27,10 +28,10 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
             raise ValueError(f"{name} is on device {tensor.device}; pictor-diffusers supports cpu and cuda")
         if tensor.device != query.device:
             raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}; all must share a device")
-        if tensor.dtype != torch.float32:
-            raise TypeError(
-                f"{name} has dtype {tensor.dtype}; the parity kernel takes torch.float32 (upcast with .float())"
-            )
+        if tensor.dtype not in OUT_DTYPE_CHOICES:
+            raise TypeError(f"{name} has dtype {tensor.dtype}; pictor attention takes float32, bfloat16 or float16")
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; they must match")
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be head-major [B, H, N, D], got shape {tuple(tensor.shape)}")
         if tensor.shape != query.shape:
@@ -54,16 +55,32 @@ def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
         raise ValueError(f"batch and heads must be <= {_MAX_GRID_YZ}, got B={batch}, H={heads}")
 
 
-KERNEL_CHOICES = ("auto", "tf32x3", "f32")
 OUT_DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
+F32_KERNELS = ("auto", "tf32x3", "f32")
+HALF_KERNELS = ("auto", "wgmma", "mma16")
+KERNEL_CHOICES = ("auto", "tf32x3", "f32", "wgmma", "mma16")
 
 
-def check_kernel_choice(kernel: str, out_dtype: torch.dtype) -> None:
-    """Raise ValueError unless `kernel` and `out_dtype` are supported choices."""
+def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernel names that take inputs of `dtype`: the f32 family or the 16-bit one."""
+    return F32_KERNELS if dtype == torch.float32 else HALF_KERNELS
+
+
+def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Raise ValueError unless `kernel` takes `in_dtype` inputs and can write `out_dtype`.
+
+    f32 inputs: kernel "auto" / "tf32x3" / "f32", any of the three out dtypes.
+    bf16/fp16 inputs: kernel "auto" / "wgmma" / "mma16", out dtype = input dtype.
+    """
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if out_dtype not in OUT_DTYPE_CHOICES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPE_CHOICES}, got {out_dtype}")
+    family = kernels_for(in_dtype)
+    if kernel not in family:
+        raise ValueError(f"kernel={kernel!r} does not take {in_dtype} inputs; choose one of {family}")
+    if in_dtype != torch.float32 and out_dtype != in_dtype:
+        raise ValueError(f"the 16-bit kernels write their input dtype {in_dtype}, got out_dtype={out_dtype}")
 
 
 def check_scale(scale: float) -> None:

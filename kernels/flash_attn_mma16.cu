@@ -1,0 +1,329 @@
+/* flash_attn_mma16.cu: 16-bit joint attention on Ampere tensor cores (pictor-diffusers).
+
+   Algorithm: flash-attention v2 forward, non-causal, no mask, online softmax in
+   the exp2 domain (scale * log2(e) folded into one FFMA). Both matrix products
+   run on mma.sync.m16n8k16 with bf16 / f16 operands and f32 accumulators. This
+   is the portable fallback for sm_80, sm_86, sm_89 and sm_90.
+
+   Launch geometry:
+       grid  = (ceil(seq / MH_BQ), num_heads, batch), MH_BQ = 128 query rows
+       block = MH_THREADS = 128 = 4 warps; warp w owns rows 32w .. 32w+31 as
+               two m16 tiles, so every K / V fragment feeds two MMAs
+       dynamic shared memory = MH_SMEM_BYTES = (MH_BQ + 2 * MH_BK) * MH_LDB bytes,
+           shared rows of MH_LDB = 2 * MH_D + 16 bytes:
+           Q tile [MH_BQ] rows, loaded once, ldmatrix'ed at every key tile
+           K tile [MH_BK] rows, V tile [MH_BK] rows
+       MH_BK = 64 keys per tile (default; 32 trades speed for registers):
+           MH_D = 128: 69632 B = 68 KiB (opted in), MH_D = 64: 36864 B = 36 KiB
+   Pipeline (cp.async.cg, 16 B, rows past seq zero-filled by src-size 0): the
+   copy of V[j] runs under S = Q K[j]^T and the softmax, the copy of K[j+1]
+   under O += P V[j]; two __syncthreads per key tile order the reuse.
+
+   Matrix products: mma.sync.m16n8k16.row.col, f32 accumulators.
+       S = Q K^T : A = Q by ldmatrix.x4, B = K by ldmatrix.x4 (key rows are n).
+       O += P V  : A = P packed in registers from the S accumulators (the C
+                   layout of n8 tiles 2kk, 2kk+1 is the A layout of k16 step
+                   kk), B = V by ldmatrix.x4.trans.
+   The 16-byte pad per shared row puts the eight rows an ldmatrix phase reads
+   in eight distinct bank groups (row r starts at chunk 17r or 9r, = r mod 8),
+   so every load is bank-conflict-free, and every fragment address is one
+   per-lane register plus an immediate.
+   Keys >= seq get logit -inf (every tile holds at least one valid key, so the
+   running max stays finite after the first tile).
+
+   Layout:
+       q, k, v : head-major  [batch, num_heads, seq, MH_D], contiguous 16-bit
+                 bit patterns (MH_IN_KIND 1: bfloat16, 2: float16), 16-byte aligned
+       out     : token-major [batch, seq, num_heads * MH_D], same dtype
+   Precision: f32 logits, softmax state and accumulators (exp2 and the final
+   1 / l by the ex2.approx / rcp.approx units). P is rounded to the input
+   dtype for P V (as FlashAttention-2 does); the row sums use the f32
+   probabilities. The output is rounded once, to nearest even. */
+
+#ifndef MH_D
+#define MH_D 128
+#endif
+#ifndef MH_IN_KIND
+#define MH_IN_KIND 1             /* 1: bfloat16, 2: float16 */
+#endif
+
+#if MH_D != 64 && MH_D != 128
+#error "MH_D must be 64 or 128"
+#endif
+#if MH_IN_KIND == 1
+#define MH_PTX_TYPE "bf16"
+#elif MH_IN_KIND == 2
+#define MH_PTX_TYPE "f16"
+#else
+#error "MH_IN_KIND must be 1 (bfloat16) or 2 (float16)"
+#endif
+
+#define MH_BQ 128
+#ifndef MH_BK
+#define MH_BK 64                          /* keys per tile: 64, or 32 for fewer registers */
+#endif
+#if MH_BK != 32 && MH_BK != 64
+#error "MH_BK must be 32 or 64"
+#endif
+#define MH_WARPS 4
+#define MH_THREADS (MH_WARPS * 32)
+#define MH_LDB (MH_D * 2 + 16)            /* shared row stride in bytes */
+#define MH_CHUNKS (MH_D / 8)              /* 16-byte chunks per row */
+#define MH_Q_BYTES (MH_BQ * MH_LDB)
+#define MH_KV_BYTES (MH_BK * MH_LDB)
+#define MH_SMEM_BYTES (MH_Q_BYTES + 2 * MH_KV_BYTES)
+#define MH_KSTEPS (MH_D / 16)             /* k16 steps of S = Q K^T */
+#define MH_STILES (MH_BK / 8)             /* n8 tiles of S per m16 tile */
+#define MH_PSTEPS (MH_BK / 16)            /* k16 steps of O += P V */
+#define MH_OTILES (MH_D / 8)              /* n8 tiles of O per m16 tile */
+#define MH_NEG_INF (-__int_as_float(0x7f800000))
+
+/* Start copying ROWS rows of a head slice (src = its first row) into the
+   tile at shared address dst; rows >= valid_rows are zero-filled. Thread i
+   copies chunk i % MH_CHUNKS of rows i / MH_CHUNKS + MH_RSTEP * n. A full
+   tile uses one pointer plus immediates; a partial one keeps every source
+   address inside the head slice (a zero-filled row reads row 0's address). */
+#define MH_RSTEP (MH_THREADS / MH_CHUNKS)
+template <int ROWS>
+__device__ __forceinline__ void mh_copy_tile(unsigned int dst, const unsigned short* __restrict__ src,
+                                             unsigned int valid_rows)
+{
+    const unsigned int row0 = threadIdx.x / MH_CHUNKS;
+    const unsigned int chunk = threadIdx.x % MH_CHUNKS;
+    const unsigned int to = dst + row0 * MH_LDB + chunk * 16;
+    const unsigned short* from = src + row0 * MH_D + chunk * 8;
+    if (valid_rows >= ROWS) {
+        #pragma unroll
+        for (int n = 0; n < ROWS / MH_RSTEP; n++) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                         :: "r"(to + n * MH_RSTEP * MH_LDB), "l"(from + n * MH_RSTEP * MH_D));
+        }
+    } else {
+        #pragma unroll
+        for (int n = 0; n < ROWS / MH_RSTEP; n++) {
+            const bool valid = row0 + n * MH_RSTEP < valid_rows;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(to + n * MH_RSTEP * MH_LDB), "l"(valid ? from + n * MH_RSTEP * MH_D : src),
+                            "r"(valid ? 16 : 0));
+        }
+    }
+}
+
+__device__ __forceinline__ void mh_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void mh_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ void mh_ldsm(unsigned int addr, unsigned int* r)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void mh_ldsm_trans(unsigned int addr, unsigned int* r)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void mh_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MH_PTX_TYPE "." MH_PTX_TYPE ".f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Two f32 rounded to nearest even, lo in bits 0..15 and hi in bits 16..31. */
+__device__ __forceinline__ unsigned int mh_pack(float lo, float hi)
+{
+    unsigned int r;
+    asm("cvt.rn." MH_PTX_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float mh_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float mh_rcp(float x)
+{
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+extern "C" __global__ void __launch_bounds__(MH_THREADS, 2)
+joint_attention_mma16(
+    const unsigned short* __restrict__ q,
+    const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v,
+    unsigned short* __restrict__ out,
+    unsigned int num_heads,
+    unsigned int seq,
+    float scale_log2)
+{
+    extern __shared__ __align__(16) unsigned char mh_smem[];
+    const unsigned int sQ = (unsigned int)__cvta_generic_to_shared(mh_smem);
+    const unsigned int sK = sQ + MH_Q_BYTES;
+    const unsigned int sV = sK + MH_KV_BYTES;
+
+    const unsigned int h = blockIdx.y;
+    const unsigned int b = blockIdx.z;
+    const unsigned int q0 = blockIdx.x * MH_BQ;
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int g = lane >> 2;
+    const unsigned int t = lane & 3u;
+    const unsigned long long head_off = ((unsigned long long)b * num_heads + h) * seq * MH_D;
+    const unsigned short* kh = k + head_off;
+    const unsigned short* vh = v + head_off;
+
+    mh_copy_tile<MH_BQ>(sQ, q + head_off + (unsigned long long)q0 * MH_D, seq - q0);
+    mh_copy_tile<MH_BK>(sK, kh, seq);
+    mh_commit();
+
+    /* ldmatrix row addresses: lane l feeds row l % 8 of matrix l / 8.
+       Q (A, m16 x k16): matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7),
+                         (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a0..a3.
+       K (B, 2 n8 tiles): (keys 0-7, k 0-7), (keys 0-7, k 8-15),
+                          (keys 8-15, k 0-7), (keys 8-15, k 8-15)
+                          = b0, b1 of tile 2p, b0, b1 of tile 2p+1.
+       V (B, trans):      (keys 0-7, d 0-7), (keys 8-15, d 0-7),
+                          (keys 0-7, d 8-15), (keys 8-15, d 8-15)
+                          = b0, b1 of tile 2p, b0, b1 of tile 2p+1.
+       The k16 step / d pair adds 32 bytes, an m16 / key block 16 rows. */
+    const unsigned int q_addr = sQ + (warp * 32u + (lane & 15u)) * MH_LDB + (lane >> 4) * 16u;
+    const unsigned int k_addr = sK + ((lane & 7u) + (lane >> 4) * 8u) * MH_LDB + ((lane >> 3) & 1u) * 16u;
+    const unsigned int v_addr = sV + ((lane & 7u) + ((lane >> 3) & 1u) * 8u) * MH_LDB + (lane >> 4) * 16u;
+
+    float o[2][MH_OTILES][4];
+    #pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        #pragma unroll
+        for (int j = 0; j < MH_OTILES; j++) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+    }
+    /* Row ri = 2 * mt + r is row 32 * warp + 16 * mt + g + 8 * r of the block. */
+    float m_run[4] = {MH_NEG_INF, MH_NEG_INF, MH_NEG_INF, MH_NEG_INF};  /* max of scale*log2e*s */
+    float l_run[4] = {0.f, 0.f, 0.f, 0.f};       /* this thread's part of the running sums */
+
+    const unsigned int n_tiles = (seq + MH_BK - 1) / MH_BK;
+    for (unsigned int tile = 0; tile < n_tiles; tile++) {
+        const unsigned int k0 = tile * MH_BK;
+        mh_wait_all();
+        __syncthreads();                  /* K[tile] (and Q) landed; V no longer read */
+        mh_copy_tile<MH_BK>(sV, vh + (unsigned long long)k0 * MH_D, seq - k0);
+        mh_commit();
+
+        float s[2][MH_STILES][4];
+        #pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            #pragma unroll
+            for (int n = 0; n < MH_STILES; n++) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        }
+        #pragma unroll
+        for (int ks = 0; ks < MH_KSTEPS; ks++) {
+            unsigned int a[2][4];
+            mh_ldsm(q_addr + ks * 32, a[0]);
+            mh_ldsm(q_addr + 16 * MH_LDB + ks * 32, a[1]);
+            #pragma unroll
+            for (int p = 0; p < MH_STILES / 2; p++) {
+                unsigned int bk[4];
+                mh_ldsm(k_addr + p * 16 * MH_LDB + ks * 32, bk);
+                #pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mh_mma(s[mt][2 * p], a[mt], bk[0], bk[1]);
+                    mh_mma(s[mt][2 * p + 1], a[mt], bk[2], bk[3]);
+                }
+            }
+        }
+
+        if (k0 + MH_BK > seq) {
+            #pragma unroll
+            for (int n = 0; n < MH_STILES; n++) {
+                #pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    if (k0 + n * 8 + 2 * t + (c & 1) >= seq) s[0][n][c] = s[1][n][c] = MH_NEG_INF;
+                }
+            }
+        }
+
+        float corr[4];
+        #pragma unroll
+        for (int ri = 0; ri < 4; ri++) {
+            const int mt = ri >> 1, r = ri & 1;
+            float tile_max = MH_NEG_INF;
+            #pragma unroll
+            for (int n = 0; n < MH_STILES; n++) tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float m_new = fmaxf(m_run[ri], tile_max * scale_log2);
+            corr[ri] = mh_exp2(m_run[ri] - m_new);
+            m_run[ri] = m_new;
+            float row_sum = 0.f;
+            #pragma unroll
+            for (int n = 0; n < MH_STILES; n++) {
+                s[mt][n][2 * r] = mh_exp2(fmaf(s[mt][n][2 * r], scale_log2, -m_new));
+                s[mt][n][2 * r + 1] = mh_exp2(fmaf(s[mt][n][2 * r + 1], scale_log2, -m_new));
+                row_sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+            }
+            l_run[ri] = l_run[ri] * corr[ri] + row_sum;
+        }
+        #pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            #pragma unroll
+            for (int j = 0; j < MH_OTILES; j++) {
+                #pragma unroll
+                for (int c = 0; c < 4; c++) o[mt][j][c] *= corr[2 * mt + (c >> 1)];
+            }
+        }
+
+        mh_wait_all();
+        __syncthreads();                  /* V[tile] landed; K no longer read */
+        if (tile + 1 < n_tiles) {
+            mh_copy_tile<MH_BK>(sK, kh + (unsigned long long)(k0 + MH_BK) * MH_D, seq - k0 - MH_BK);
+            mh_commit();
+        }
+
+        #pragma unroll
+        for (int kk = 0; kk < MH_PSTEPS; kk++) {
+            unsigned int pa[2][4];
+            #pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                pa[mt][0] = mh_pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = mh_pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = mh_pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = mh_pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+            #pragma unroll
+            for (int p = 0; p < MH_OTILES / 2; p++) {
+                unsigned int bv[4];
+                mh_ldsm_trans(v_addr + kk * 16 * MH_LDB + p * 32, bv);
+                #pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mh_mma(o[mt][2 * p], pa[mt], bv[0], bv[1]);
+                    mh_mma(o[mt][2 * p + 1], pa[mt], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+
+    #pragma unroll
+    for (int ri = 0; ri < 4; ri++) {
+        l_run[ri] += __shfl_xor_sync(0xffffffffu, l_run[ri], 1);
+        l_run[ri] += __shfl_xor_sync(0xffffffffu, l_run[ri], 2);
+    }
+    #pragma unroll
+    for (int ri = 0; ri < 4; ri++) {
+        const int mt = ri >> 1, r = ri & 1;
+        const unsigned int row = q0 + warp * 32u + mt * 16 + r * 8 + g;
+        if (row >= seq) continue;
+        const float inv = mh_rcp(l_run[ri]);
+        unsigned short* dst = out + (((unsigned long long)b * seq + row) * num_heads + h) * MH_D + 2 * t;
+        #pragma unroll
+        for (int j = 0; j < MH_OTILES; j++) {
+            *(unsigned int*)(dst + j * 8) = mh_pack(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
+        }
+    }
+}

@@ -1,0 +1,413 @@
+/* flash_attn_wgmma.cu: bf16/fp16 joint attention on Hopper tensor cores (pictor-diffusers).
+
+   Algorithm: flash-attention forward, non-causal, no mask, online softmax in the
+   exp2 domain (scale * log2(e) folded into one FFMA), f32 accumulators and f32
+   softmax state. Warp-specialised, after FlashAttention-3:
+     * warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA)
+       of the Q tile once and of K/V tiles into a WG_STAGES-deep ring, each
+       completing on an mbarrier; the warpgroup then gives up its registers
+       (setmaxnreg) to the consumers. K and V of a stage are freed apart (K
+       as soon as S is computed, V after P.V), so loads run up to
+       WG_STAGES tiles ahead;
+     * warpgroups 1 and 2 are consumers, 64 query rows each. Per key tile j they
+       issue S_j = Q K_j^T (wgmma, both operands in shared memory) and
+       O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then run
+       tile j's softmax while the P.V product is still in flight, so the
+       exponentials overlap the tensor cores.
+
+   Launch geometry:
+       grid  = (ceil(seq / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
+       block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
+       dynamic shared memory = WG_SMEM_BYTES (224 KiB + 1 KiB alignment slack):
+           Q tile, WG_STAGES x (K tile, V tile), 128 x 128 16-bit each, stored
+           as two 64-column slabs of 128-byte rows in TMA's 128-byte swizzle;
+           then the mbarriers.
+   Matrix products: wgmma.mma_async m64n128k16, f32 accumulators.
+       S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
+       O += P V  : A = P, packed to 16 bits from the S accumulators (their
+                   layout is the A-fragment layout); B = V read transposed
+                   (MN-major descriptor: the 64-column slabs are LBO apart).
+
+   Layout:
+       q, k, v : head-major [batch, num_heads, seq, 128], contiguous 16-bit,
+                 described by three rank-3 tensor maps (dims 128, seq,
+                 batch * num_heads; box 64 x 128 x 1; 128-byte swizzle); rows
+                 past seq are zero-filled by the copy engine
+       out     : token-major [batch, seq, num_heads * 128], same dtype
+   Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
+   and softmax; P is rounded to the input dtype for the P.V product (as in
+   FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
+
+#ifndef WG_IN_KIND
+#define WG_IN_KIND 1
+#endif
+#ifndef WG_D
+#define WG_D 128
+#endif
+#if WG_D != 128
+#error "the wgmma kernel is built for head_dim 128 only"
+#endif
+
+#define WG_BQ 128
+#define WG_BK 128
+#define WG_STAGES 3
+#define WG_THREADS 384
+#define WG_CONSUMER_WARPS 8
+#define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
+#define WG_TILE_BYTES (2 * WG_SLAB_BYTES)    /* 128 rows x 128 columns */
+#define WG_BARRIER_BYTES (8 * (1 + 4 * WG_STAGES))
+#define WG_SMEM_BYTES (1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES)
+#define WG_NEG_INF (-__int_as_float(0x7f800000))
+
+#if WG_IN_KIND == 1
+#define WG_TYPES ".f32.bf16.bf16"
+#define WG_CVT_X2 "cvt.rn.bf16x2.f32"
+#else
+#define WG_TYPES ".f32.f16.f16"
+#define WG_CVT_X2 "cvt.rn.f16x2.f32"
+#endif
+
+/* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
+struct __align__(64) wg_tensor_map {
+    unsigned long long opaque[16];
+};
+
+#define WG_ACC64                                                                                  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define WG_F8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), \
+                    "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
+#define WG_F64(a) WG_F8(a, 0), WG_F8(a, 8), WG_F8(a, 16), WG_F8(a, 24), \
+                  WG_F8(a, 32), WG_F8(a, 40), WG_F8(a, 48), WG_F8(a, 56)
+
+__device__ __forceinline__ unsigned int wg_smem_addr(const void* p)
+{
+    return (unsigned int)__cvta_generic_to_shared(p);
+}
+
+/* ---- mbarriers and the bulk tensor copy ---- */
+
+__device__ __forceinline__ void wg_bar_init(unsigned int bar, unsigned int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void wg_bar_expect_bytes(unsigned int bar, unsigned int bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void wg_bar_arrive(unsigned int bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void wg_bar_wait(unsigned int bar, unsigned int parity)
+{
+    unsigned int done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+/* Copy one 64-column x 128-row box at (column, row, head) into a slab. */
+__device__ __forceinline__ void wg_copy_box(unsigned int dst, const wg_tensor_map* map, int column, int row,
+                                            int head, unsigned int bar)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4}], [%5];"
+        :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(row), "r"(head), "r"(bar) : "memory");
+}
+
+/* Both slabs of a 128 x 128 tile, completing on `bar`. */
+__device__ __forceinline__ void wg_copy_tile(unsigned int dst, const wg_tensor_map* map, int row, int head,
+                                             unsigned int bar)
+{
+    wg_bar_expect_bytes(bar, WG_TILE_BYTES);
+    wg_copy_box(dst, map, 0, row, head, bar);
+    wg_copy_box(dst + WG_SLAB_BYTES, map, 64, row, head, bar);
+}
+
+/* ---- wgmma ---- */
+
+/* Shared-memory matrix descriptor, 128-byte swizzle. */
+__device__ __forceinline__ unsigned long long wg_desc(unsigned int addr, unsigned int lead, unsigned int stride)
+{
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
+           ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+/* Pin accumulators at this point of the program: the compiler must not move
+   their uses above a wgmma wait, nor their definitions below a wgmma issue. */
+__device__ __forceinline__ void wg_pin(float* acc)
+{
+    #pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(acc[i]) :: "memory");
+}
+
+/* acc (+)= A B^T, A and B from shared memory, both K-major. */
+__device__ __forceinline__ void wg_mma_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16" WG_TYPES " " WG_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : WG_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
+}
+
+/* acc += A B, A from registers, B from shared memory MN-major (transposed). */
+__device__ __forceinline__ void wg_mma_rs(float* acc, const unsigned int* a, unsigned long long b)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16" WG_TYPES " " WG_ACC64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : WG_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+/* S = Q K^T for one warpgroup: 8 k-steps of 16 columns, 4 per slab. */
+__device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsigned int k_tile)
+{
+    #pragma unroll
+    for (int kk = 0; kk < WG_D / 16; kk++) {
+        const unsigned int offset = (kk / 4) * WG_SLAB_BYTES + (kk % 4) * 32;
+        wg_mma_ss(s, wg_desc(q_rows + offset, 16, 1024), wg_desc(k_tile + offset, 16, 1024), kk > 0);
+    }
+    wg_commit();
+}
+
+/* O += P V: 8 k-steps of 16 keys; the two 64-column slabs of V are LBO apart. */
+__device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, unsigned int v_tile)
+{
+    #pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++) {
+        wg_mma_rs(o, p + 4 * kk, wg_desc(v_tile + kk * 16 * 128, WG_SLAB_BYTES, 1024));
+    }
+    wg_commit();
+}
+
+/* ---- softmax ---- */
+
+/* 2^x on the special-function unit; subnormal results flush to zero, which
+   only drops probabilities below 2^-126. */
+__device__ __forceinline__ float wg_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ unsigned int wg_pack(float lo, float hi)
+{
+    unsigned int r;
+    asm(WG_CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* Online-softmax step on one S tile held as wgmma accumulators: element i is
+   row g + 8 * ((i >> 1) & 1), column 8 * (i >> 2) + 2t + (i & 1) of the
+   warp's 16 rows. Masks keys >= seq, replaces s by exp2(s * scale_log2 - m),
+   updates the running max and sums, returns each row's rescale factor. */
+__device__ __forceinline__ void wg_softmax(float* s, float* m_run, float* l_run, float* corr, unsigned int key0,
+                                           unsigned int seq, unsigned int t, float scale_log2)
+{
+    if (key0 + WG_BK > seq) {
+        #pragma unroll
+        for (int i = 0; i < 64; i++) {
+            if (key0 + 8 * (i >> 2) + 2 * t + (i & 1) >= seq) s[i] = WG_NEG_INF;
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float tile_max = WG_NEG_INF;
+        #pragma unroll
+        for (int n = 0; n < 16; n++) tile_max = fmaxf(tile_max, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float m_new = fmaxf(m_run[r], tile_max * scale_log2);
+        corr[r] = wg_exp2(m_run[r] - m_new);
+        m_run[r] = m_new;
+        float row_sum = 0.f;
+        #pragma unroll
+        for (int n = 0; n < 16; n++) {
+            s[4 * n + 2 * r] = wg_exp2(fmaf(s[4 * n + 2 * r], scale_log2, -m_new));
+            s[4 * n + 2 * r + 1] = wg_exp2(fmaf(s[4 * n + 2 * r + 1], scale_log2, -m_new));
+            row_sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
+        }
+        l_run[r] = l_run[r] * corr[r] + row_sum;
+    }
+}
+
+/* P as the A operand of the next P.V: register 4kk + c holds keys 16kk.. of
+   the layout wgmma expects, which is S's accumulator order pairwise. */
+__device__ __forceinline__ void wg_pack_p(unsigned int* p, const float* s)
+{
+    #pragma unroll
+    for (int i = 0; i < 32; i++) p[i] = wg_pack(s[2 * i], s[2 * i + 1]);
+}
+
+/* ---- roles ---- */
+
+/* Shared-memory map: Q tile, K tiles, V tiles (1024-byte aligned for the
+   swizzle), then the mbarriers q_full, k_full[], v_full[], k_free[], v_free[]. Stage
+   addresses are computed, not indexed, so nothing lands in local memory. */
+struct wg_smem {
+    unsigned int base, bars;
+    __device__ unsigned int q() const { return base; }
+    __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * WG_TILE_BYTES; }
+    __device__ unsigned int v(unsigned int s) const { return base + (1 + WG_STAGES + s) * WG_TILE_BYTES; }
+    __device__ unsigned int q_full() const { return bars; }
+    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
+    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + WG_STAGES + s); }
+    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * WG_STAGES + s); }
+    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * WG_STAGES + s); }
+};
+
+__device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
+{
+    wg_smem m;
+    m.base = (wg_smem_addr(raw) + 1023u) & ~1023u;
+    m.bars = m.base + (1 + 2 * WG_STAGES) * WG_TILE_BYTES;
+    return m;
+}
+
+__device__ __forceinline__ void wg_produce(const wg_smem& m, const wg_tensor_map* tm_q, const wg_tensor_map* tm_k,
+                                           const wg_tensor_map* tm_v, int head, int q0, unsigned int n_tiles)
+{
+    wg_copy_tile(m.q(), tm_q, q0, head, m.q_full());
+    for (unsigned int j = 0; j < n_tiles; j++) {
+        const unsigned int s = j % WG_STAGES, parity = (j / WG_STAGES - 1) & 1;
+        if (j >= WG_STAGES) wg_bar_wait(m.k_free(s), parity);
+        wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, m.k_full(s));
+        if (j >= WG_STAGES) wg_bar_wait(m.v_free(s), parity);
+        wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, m.v_full(s));
+    }
+}
+
+/* A K or V stage is done with: one arrival per consumer warp. */
+__device__ __forceinline__ void wg_release(unsigned int bar)
+{
+    if ((threadIdx.x & 31u) == 0) wg_bar_arrive(bar);
+}
+
+__device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __restrict__ out, unsigned int num_heads,
+                                           unsigned int seq, float scale_log2, unsigned int n_tiles)
+{
+    const unsigned int rows0 = (threadIdx.x / 128 - 1) * 64;   /* this warpgroup's first row in the tile */
+    const unsigned int warp = (threadIdx.x / 32) & 3u;
+    const unsigned int g = (threadIdx.x & 31u) >> 2;
+    const unsigned int t = threadIdx.x & 3u;
+    const unsigned int q_rows = m.q() + rows0 * 128;               /* 128-byte rows in each slab */
+
+    float o[64], s[64], corr[2];
+    unsigned int p[32];
+    float m_run[2] = {WG_NEG_INF, WG_NEG_INF};
+    float l_run[2] = {0.f, 0.f};
+    #pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+
+    wg_bar_wait(m.q_full(), 0);
+    wg_bar_wait(m.k_full(0), 0);
+    wg_fence();
+    wg_issue_qk(s, q_rows, m.k(0));
+    wg_wait<0>();
+    wg_pin(s);
+    wg_release(m.k_free(0));
+    wg_softmax(s, m_run, l_run, corr, 0, seq, t, scale_log2);
+    wg_pack_p(p, s);
+
+    for (unsigned int j = 1; j < n_tiles; j++) {
+        const unsigned int st = j % WG_STAGES, prev = (j - 1) % WG_STAGES;
+        wg_bar_wait(m.k_full(st), (j / WG_STAGES) & 1);
+        wg_bar_wait(m.v_full(prev), ((j - 1) / WG_STAGES) & 1);
+        wg_pin(s);
+        wg_pin(o);
+        wg_fence();
+        wg_issue_qk(s, q_rows, m.k(st));
+        wg_issue_pv(o, p, m.v(prev));
+        wg_wait<1>();
+        wg_pin(s);
+        wg_release(m.k_free(st));
+        wg_softmax(s, m_run, l_run, corr, j * WG_BK, seq, t, scale_log2);
+        wg_wait<0>();
+        wg_pin(o);
+        wg_release(m.v_free(prev));
+        #pragma unroll
+        for (int i = 0; i < 64; i++) o[i] *= corr[(i >> 1) & 1];
+        wg_pack_p(p, s);
+    }
+    const unsigned int last = n_tiles - 1;
+    wg_bar_wait(m.v_full(last % WG_STAGES), (last / WG_STAGES) & 1);
+    wg_pin(o);
+    wg_fence();
+    wg_issue_pv(o, p, m.v(last % WG_STAGES));
+    wg_wait<0>();
+    wg_pin(o);
+
+    const unsigned long long inner = (unsigned long long)num_heads * WG_D;
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const unsigned int row = blockIdx.x * WG_BQ + rows0 + warp * 16 + g + 8 * r;
+        if (row >= seq) continue;
+        const float inv = 1.f / l;
+        unsigned short* dst = out + ((unsigned long long)blockIdx.z * seq + row) * inner +
+                              (unsigned long long)blockIdx.y * WG_D + 2 * t;
+        #pragma unroll
+        for (int n = 0; n < 16; n++) {
+            *(unsigned int*)(dst + 8 * n) = wg_pack(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+joint_attention_wgmma(
+    const __grid_constant__ wg_tensor_map tm_q,
+    const __grid_constant__ wg_tensor_map tm_k,
+    const __grid_constant__ wg_tensor_map tm_v,
+    unsigned short* __restrict__ out,
+    unsigned int num_heads,
+    unsigned int seq,
+    float scale_log2)
+{
+    extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
+    const wg_smem m = wg_carve(wg_smem_raw);
+    const unsigned int n_tiles = (seq + WG_BK - 1) / WG_BK;
+
+    if (threadIdx.x == 0) {
+        wg_bar_init(m.q_full(), 1);
+        #pragma unroll
+        for (int s = 0; s < WG_STAGES; s++) {
+            wg_bar_init(m.k_full(s), 1);
+            wg_bar_init(m.v_full(s), 1);
+            wg_bar_init(m.k_free(s), WG_CONSUMER_WARPS);
+            wg_bar_init(m.v_free(s), WG_CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        if (threadIdx.x == 0) {
+            const int head = (int)(blockIdx.z * num_heads + blockIdx.y);
+            wg_produce(m, &tm_q, &tm_k, &tm_v, head, (int)(blockIdx.x * WG_BQ), n_tiles);
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        wg_consume(m, out, num_heads, seq, scale_log2, n_tiles);
+    }
+}
