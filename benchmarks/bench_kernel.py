@@ -1,10 +1,16 @@
-"""Kernel-level benchmark: pictor's f32 kernel against torch SDPA backends.
+"""Kernel-level benchmark: pictor's kernels against torch SDPA backends.
 
 Per row: median ms of CUDA-event-timed runs after a warm-up, TFLOP/s counted as
 4·B·H·N²·D / t, and max-abs / relative-L2 error against float64 SDPA on the
-same inputs. Each backend's result is checked before it is timed.
+inputs that backend sees (f32 draws for fp32 rows, the same draws rounded to
+bf16/fp16 for 16-bit rows). Each backend's result is checked before it is timed.
+Rows whose estimated time per call (from a rough TFLOP/s table) exceeds
+--max-call-ms, or whose memory would exceed the free GPU memory, are skipped;
+the reason is printed in the table only. --plan prints the plan and its
+estimated wall time without touching a GPU.
 
     python benchmarks/bench_kernel.py --shapes 1x24x4608x128 --json benchmarks/results/h200.json
+    python benchmarks/bench_kernel.py --plan
 """
 
 from __future__ import annotations
@@ -37,17 +43,65 @@ DEFAULT_ROWS = [
     ("pictor_f32", "fp32"),
     ("sdpa_math", "fp32"),
     ("sdpa_efficient", "fp32"),
+    ("pictor_wgmma", "bf16"),
+    ("pictor_mma16", "bf16"),
     ("sdpa_flash", "bf16"),
     ("sdpa_cudnn", "bf16"),
+    ("pictor_wgmma", "fp16"),
+    ("sdpa_flash", "fp16"),
 ]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FLUX.2: B 1 and 2; 24 (klein-4B), 32 (klein-9B), 48 (dev) heads; 512² / 1024² / 2048² images.
+DEFAULT_SHAPES = (
+    "1x24x1536x128,2x24x1536x128,1x24x4608x128,2x24x4608x128,1x32x4608x128,1x48x4608x128,"
+    "2x48x4608x128,1x24x16896x128,1x32x16896x128,1x48x16896x128"
+)
+# Conservative H200 throughput per backend (TFLOP/s), only to plan skips and repetitions.
+EST_TFLOPS = {
+    "pictor_f32": 4.5,
+    "pictor_tf32x3": 40.0,
+    "sdpa_math": 15.0,
+    "sdpa_efficient": 40.0,
+    "reference_f64": 25.0,
+}
+EST_TFLOPS_16BIT = 150.0
+ROW_BUDGET_MS = 3000.0
 
 
-def _runner(backend: str, dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
+def estimate_ms(backend: str, shape: tuple[int, ...]) -> float:
+    return attention_flops(*shape) / EST_TFLOPS.get(backend, EST_TFLOPS_16BIT) / 1e9
+
+
+def estimate_bytes(backend: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Peak extra memory: the math backend holds ~3 score matrices, the others O(N·D) buffers."""
+    batch, heads, seq, head_dim = shape
+    element = torch.tensor([], dtype=dtype).element_size()
+    io = 8 * batch * heads * seq * head_dim * element
+    return io + (3 * batch * heads * seq * seq * element if backend == "sdpa_math" else 0)
+
+
+def skip_reason(backend: str, dtype: torch.dtype, shape: tuple, max_call_ms: float, free_bytes: int) -> str | None:
+    est = estimate_ms(backend, shape)
+    if est > max_call_ms:
+        return f"~{est / 1000:.1f} s per call estimated (> {max_call_ms / 1000:.1f} s)"
+    need = estimate_bytes(backend, dtype, shape)
+    if need > 0.6 * free_bytes:
+        return f"~{need / 2**30:.0f} GiB needed, {free_bytes / 2**30:.0f} GiB free"
+    return None
+
+
+def repetitions(backend: str, shape: tuple, reps: int) -> tuple[int, int]:
+    """(warm-up calls, timed calls): fewer of both for slow rows, so each row stays near ROW_BUDGET_MS."""
+    est = estimate_ms(backend, shape)
+    timed = max(3, min(reps, int(ROW_BUDGET_MS / max(est, 1e-3))))
+    return (0 if est > 200.0 else 3), timed
+
+
+def _runner(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
+    """A call of `backend` on q, k, v (already in the row's dtype), returning token-major output."""
     if backend.startswith("pictor_"):
         kernel = backend.removeprefix("pictor_")
         return lambda: attention(q, k, v, kernel=kernel)
-    q, k, v = (t.to(dtype) for t in (q, k, v))
 
     def run() -> torch.Tensor:
         with sdpa_kernel(SDPA_BACKENDS[backend]):
@@ -58,13 +112,20 @@ def _runner(backend: str, dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor, 
     return run
 
 
+GPU_HOLD_CYCLES = 2_000_000
+"""~1 ms of GPU spin before each timed call, so the host has queued the call before
+the start event runs: the events then time the GPU's work, not the host's launch
+overhead (which `bench_overheads.py` measures on its own)."""
+
+
 def time_ms(fn: Callable, warmup: int, reps: int) -> float:
-    """Median CUDA-event time of `fn` in ms, after `warmup` untimed calls."""
+    """Median CUDA-event time of `fn` in ms (GPU time), after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(GPU_HOLD_CYCLES)
         start.record()
         fn()
         end.record()
@@ -73,33 +134,51 @@ def time_ms(fn: Callable, warmup: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_shape(shape: tuple[int, int, int, int], rows: list[tuple[str, str]], reps: int) -> list[dict]:
-    q, k, v = random_qkv(*shape, seed=sum(shape))
-    ref = attention_float64(q, k, v)
+def reference(shape: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 SDPA in head chunks of at most ~4 GB of scores."""
+    batch, _, seq, _ = shape
+    heads_per_chunk = max(1, int(4e9 // (3 * batch * seq * seq * 8)))
+    return attention_float64(q, k, v, heads_per_chunk=heads_per_chunk)
+
+
+def bench_shape(shape: tuple[int, int, int, int], rows: list[tuple[str, str]], reps: int, max_call_ms: float) -> list:
+    q32, k32, v32 = random_qkv(*shape, seed=sum(shape))
+    inputs: dict[str, tuple[torch.Tensor, ...]] = {}
+    refs: dict[str, torch.Tensor] = {}
     records = []
     for backend, dtype_name in rows:
-        fn = _runner(backend, DTYPES[dtype_name], q, k, v)
+        dtype = DTYPES[dtype_name]
+        reason = skip_reason(backend, dtype, shape, max_call_ms, torch.cuda.mem_get_info()[0])
+        if reason is not None:
+            print_skip(backend, dtype_name, shape, reason)
+            continue
+        if dtype_name not in inputs:
+            inputs[dtype_name] = tuple(t.to(dtype) for t in (q32, k32, v32))
+            refs[dtype_name] = reference(shape, *inputs[dtype_name])
+        ref = refs[dtype_name]
+        fn = _runner(backend, *inputs[dtype_name])
         try:
             out = fn().double()
-        except RuntimeError as error:
-            print(f"skip {backend} {dtype_name} {shape}: {str(error).splitlines()[0]}")
+        except (RuntimeError, ValueError) as error:
+            print_skip(backend, dtype_name, shape, str(error).splitlines()[0])
             continue
         err = out - ref
-        ms = time_ms(fn, warmup=3, reps=reps)
-        records.append(
-            {
-                "suite": "kernel",
-                "backend": backend,
-                "dtype": dtype_name,
-                **dict(zip("BHND", shape, strict=True)),
-                "ms": ms,
-                "tflops": attention_flops(*shape) / ms / 1e9,
-                "max_abs": err.abs().max().item(),
-                "rel_l2": (err.norm() / ref.norm()).item(),
-                "finite": bool(torch.isfinite(out).all()),
-            }
-        )
-        print_row(records[-1])
+        record = {
+            "suite": "kernel",
+            "backend": backend,
+            "dtype": dtype_name,
+            **dict(zip("BHND", shape, strict=True)),
+            "max_abs": err.abs().max().item(),
+            "rel_l2": (err.norm() / ref.norm()).item(),
+            "finite": bool(torch.isfinite(out).all()),
+        }
+        del out, err
+        warmup, timed = repetitions(backend, shape, reps)
+        record["ms"] = time_ms(fn, warmup=warmup, reps=timed)
+        record["tflops"] = attention_flops(*shape) / record["ms"] / 1e9
+        records.append(record)
+        print_row(record)
+    torch.cuda.empty_cache()
     return records
 
 
@@ -109,6 +188,30 @@ def print_row(r: dict) -> None:
         f"{r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s max_abs {r['max_abs']:.2e} rel_l2 {r['rel_l2']:.2e}",
         flush=True,
     )
+
+
+def print_skip(backend: str, dtype_name: str, shape: tuple, reason: str) -> None:
+    batch, heads, seq, head_dim = shape
+    print(f"{backend:>15} {dtype_name:>4} B{batch} H{heads:>2} N{seq:>5} D{head_dim} skipped: {reason}", flush=True)
+
+
+def plan(shapes: list[tuple], rows: list[tuple[str, str]], reps: int, max_call_ms: float, free_gib: float) -> None:
+    """Print which rows would run and the estimated wall time, without a GPU."""
+    total_ms = 0.0
+    for shape in shapes:
+        dtypes = set()
+        for backend, dtype_name in rows:
+            reason = skip_reason(backend, DTYPES[dtype_name], shape, max_call_ms, int(free_gib * 2**30))
+            if reason is not None:
+                print_skip(backend, dtype_name, shape, reason)
+                continue
+            dtypes.add(dtype_name)
+            warmup, timed = repetitions(backend, shape, reps)
+            row_ms = estimate_ms(backend, shape) * (1 + warmup + timed)
+            total_ms += row_ms
+            print(f"{backend:>15} {dtype_name:>4} {shape} {1 + warmup + timed:3d} calls ~{row_ms / 1000:6.2f} s")
+        total_ms += len(dtypes) * estimate_ms("reference_f64", shape)
+    print(f"estimated total: {total_ms / 1000:.0f} s (+ compile and start-up)")
 
 
 def environment() -> dict:
@@ -129,14 +232,32 @@ def environment() -> dict:
     }
 
 
+def parse_rows(text: str | None) -> list[tuple[str, str]]:
+    if not text:
+        return DEFAULT_ROWS
+    rows = [tuple(item.split(":")) for item in text.split(",")]
+    bad = [row for row in rows if len(row) != 2 or row[1] not in DTYPES]
+    if bad:
+        raise SystemExit(f"--rows takes backend:dtype items with dtype in {list(DTYPES)}, got {bad}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="1x24x1536x128,1x24x4608x128,1x48x4608x128", help="BxHxNxD list")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxHxNxD list")
+    parser.add_argument("--rows", help="backend:dtype list (default: all rows), e.g. pictor_wgmma:bf16,sdpa_cudnn:bf16")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--max-call-ms", type=float, default=2000.0, help="skip rows estimated slower per call")
     parser.add_argument("--json", type=Path, help="write records here")
+    parser.add_argument("--plan", action="store_true", help="print the plan and estimated time; run nothing")
+    parser.add_argument("--plan-free-gib", type=float, default=139.0, help="GPU memory --plan assumes free")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    records = [r for shape in shapes for r in bench_shape(shape, DEFAULT_ROWS, args.reps)]
+    rows = parse_rows(args.rows)
+    if args.plan:
+        plan(shapes, rows, args.reps, args.max_call_ms, args.plan_free_gib)
+        return
+    records = [r for shape in shapes for r in bench_shape(shape, rows, args.reps, args.max_call_ms)]
     env = environment()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,13 @@
 
 Random bf16 weights in FLUX.2 shapes (nothing is downloaded); 512 text tokens
 plus the image tokens of a square image (1024² -> 4096, 2048² -> 16384).
+Backends: `stock` (diffusers' processors, SDPA's default backend), `stock_math`
+(the same on SDPA's math backend; opt-in), `pictor_fp32` (PictorAttn(precision="fp32"),
+the parity path) and `pictor_bf16` (PictorAttn(precision="bf16"), the fast path).
 Per row: median ms per forward (CUDA events, after a warm-up), peak GPU memory,
-and the relative L2 difference of PictorAttn's output from stock's.
+max-abs and relative L2 of the output against stock's, and `tflops`: the
+attention FLOPs of the whole forward (4·B·H·N²·D per block) over the forward
+time (`tflops_basis` says so).
 
     python benchmarks/bench_model.py --models klein-4B --sizes 1024 --json benchmarks/results/model.json
 """
@@ -11,14 +16,18 @@ and the relative L2 difference of PictorAttn's output from stock's.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from bench_kernel import environment
 from flux2_models import KLEIN_4B_CONFIG, TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
+from gpu_reference import attention_flops
 
 from pictor_diffusers import PictorAttn
 
@@ -43,7 +52,17 @@ MODEL_CONFIGS = {
         "axes_dims_rope": (32, 32, 32, 32),
     },
 }
-"""klein-4B as published (24 heads, 5 + 20 blocks); klein-9B and dev as FLUX.2's larger shapes."""
+"""klein-4B as published (24 heads, 5 + 20 blocks, 3.9B parameters); klein-9B (9.1B) and dev (32B)
+as FLUX.2's larger shapes."""
+
+BACKENDS = {
+    "stock": ("stock", "bf16"),
+    "stock_math": ("stock", "bf16"),
+    "pictor_fp32": ("PictorAttn(precision='fp32')", "fp32"),
+    "pictor_bf16": ("PictorAttn(precision='bf16')", "bf16"),
+}
+"""backend -> (processor, dtype attention runs in)."""
+TEXT_TOKENS = 512
 
 
 def time_forward(model: torch.nn.Module, inputs: dict, reps: int) -> tuple[torch.Tensor, float, float]:
@@ -62,60 +81,94 @@ def time_forward(model: torch.nn.Module, inputs: dict, reps: int) -> tuple[torch
     return out, sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
 
 
+def set_backend(model: torch.nn.Module, backend: str) -> None:
+    if backend.startswith("stock"):
+        set_stock_processors(model)
+    else:
+        model.set_attn_processor(PictorAttn(precision=backend.removeprefix("pictor_")))
+
+
+def run_backend(model: torch.nn.Module, inputs: dict, backend: str, reps: int) -> tuple[torch.Tensor, float, float]:
+    set_backend(model, backend)
+    if backend == "stock_math":
+        with sdpa_kernel(SDPBackend.MATH):
+            return time_forward(model, inputs, reps)
+    return time_forward(model, inputs, reps)
+
+
 @torch.no_grad()
-def bench_model(name: str, sizes: list[int], reps: int) -> list[dict]:
+def bench_model(name: str, sizes: list[int], backends: list[str], reps: int) -> list[dict]:
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = build_transformer(MODEL_CONFIGS[name], dtype=torch.bfloat16)
     torch.set_default_dtype(torch.float32)
+    config = model.config
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    blocks = config.num_layers + config.num_single_layers
     records = []
     for size in sizes:
         latent = size // 16
-        inputs = transformer_inputs(model, batch=1, latent_hw=(latent, latent), text_len=512)
-        set_stock_processors(model)
-        stock, stock_ms, stock_gib = time_forward(model, inputs, reps)
-        model.set_attn_processor(PictorAttn())
-        ours, ours_ms, ours_gib = time_forward(model, inputs, reps)
-        rel = ((ours.float() - stock.float()).norm() / stock.float().norm()).item()
-        for backend, ms, gib in (("stock", stock_ms, stock_gib), ("pictor_auto", ours_ms, ours_gib)):
-            records.append(
-                {
-                    "suite": "model",
-                    "model": name,
-                    "backend": backend,
-                    "dtype": "bf16",
-                    "B": 1,
-                    "H": model.config.num_attention_heads,
-                    "N": 512 + latent * latent,
-                    "D": model.config.attention_head_dim,
-                    "image": size,
-                    "ms": ms,
-                    "peak_gib": gib,
-                    "rel_l2_vs_stock": 0.0 if backend == "stock" else rel,
-                }
-            )
+        seq = TEXT_TOKENS + latent * latent
+        inputs = transformer_inputs(model, batch=1, latent_hw=(latent, latent), text_len=TEXT_TOKENS)
+        stock = stock_ms = None
+        for backend in ["stock", *(b for b in backends if b != "stock")]:
+            out, ms, gib = run_backend(model, inputs, backend, reps)
+            if backend == "stock":
+                stock, stock_ms = out, ms
+            diff = out.double() - stock.double()
+            processor, attention_dtype = BACKENDS[backend]
+            record = {
+                "suite": "model",
+                "model": name,
+                "backend": backend,
+                "processor": processor,
+                "dtype": attention_dtype,
+                "model_dtype": "bf16",
+                "B": 1,
+                "H": heads,
+                "N": seq,
+                "D": head_dim,
+                "image": size,
+                "ms": ms,
+                "tflops": blocks * attention_flops(1, heads, seq, head_dim) / ms / 1e9,
+                "tflops_basis": f"attention FLOPs of {blocks} blocks / forward time",
+                "max_abs": diff.abs().max().item(),
+                "rel_l2": (diff.norm() / stock.double().norm()).item(),
+                "finite": bool(torch.isfinite(out).all()),
+                "peak_gib": gib,
+            }
+            records.append(record)
             print(
                 f"{name:>8} {size}² {backend:>11} {ms:9.1f} ms  peak {gib:6.1f} GiB  "
-                f"rel_l2 vs stock {records[-1]['rel_l2_vs_stock']:.2e}  x{ms / stock_ms:.2f}",
+                f"rel_l2 {record['rel_l2']:.2e} max_abs {record['max_abs']:.2e}  x{ms / stock_ms:.2f}",
                 flush=True,
             )
+            del out, diff
+        del stock, inputs
     del model
+    gc.collect()
     torch.cuda.empty_cache()
     return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="klein-4B", help=f"comma list of {list(MODEL_CONFIGS)}")
-    parser.add_argument("--sizes", default="1024,2048", help="image sides in pixels")
+    parser.add_argument("--models", default="klein-4B,klein-9B,dev", help=f"comma list of {list(MODEL_CONFIGS)}")
+    parser.add_argument("--sizes", default="1024", help="image sides in pixels (1024, 2048)")
+    parser.add_argument("--backends", default="stock,pictor_fp32,pictor_bf16", help=f"comma list of {list(BACKENDS)}")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    records = [r for name in args.models.split(",") for r in bench_model(name, sizes, args.reps)]
+    backends = args.backends.split(",")
+    unknown = [b for b in backends if b not in BACKENDS] + [m for m in args.models.split(",") if m not in MODEL_CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown backends or models: {unknown}")
+    records = [r for name in args.models.split(",") for r in bench_model(name, sizes, backends, args.reps)]
+    env = environment()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(records, indent=1))
+        args.json.write_text(json.dumps([{**r, **env} for r in records], indent=1))
 
 
 if __name__ == "__main__":

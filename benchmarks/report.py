@@ -24,13 +24,20 @@ def kernel_table(records: list[dict]) -> str:
 
 
 def model_table(records: list[dict]) -> str:
-    rows = ["| model | image | tokens | backend | ms / step | x stock | peak GiB | rel-L2 vs stock |", "|---" * 8 + "|"]
+    rows = [
+        "| model | image | tokens | backend | attention dtype | ms / step | x stock | attention TFLOP/s | peak GiB "
+        "| max-abs vs stock | rel-L2 vs stock |",
+        "|---" * 11 + "|",
+    ]
     stock = {(r["model"], r["image"]): r["ms"] for r in records if r["backend"] == "stock"}
     for r in records:
         ratio = r["ms"] / stock[(r["model"], r["image"])]
+        rel = r.get("rel_l2", r.get("rel_l2_vs_stock"))
+        tflops = f"{r['tflops']:.1f}" if r.get("tflops") is not None else "-"
+        max_abs = f"{r['max_abs']:.2e}" if r.get("max_abs") is not None else "-"
         rows.append(
-            f"| {r['model']} | {r['image']}² | {r['N']} | {r['backend']} | {r['ms']:.1f} | {ratio:.2f} "
-            f"| {r['peak_gib']:.1f} | {r['rel_l2_vs_stock']:.2e} |"
+            f"| {r['model']} | {r['image']}² | {r['N']} | {r['backend']} | {r['dtype']} | {r['ms']:.1f} | {ratio:.2f} "
+            f"| {tflops} | {r['peak_gib']:.1f} | {max_abs} | {rel:.2e} |"
         )
     return "\n".join(rows)
 

@@ -3,9 +3,13 @@
     compute-sanitizer --tool memcheck  python benchmarks/sanitizer_cases.py
     compute-sanitizer --tool racecheck python benchmarks/sanitizer_cases.py
     ncu --clock-control none -k regex:joint_attention python benchmarks/sanitizer_cases.py --shape 1x24x4608x128
+    ncu ... python benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels wgmma --dtype bf16
 
 Shapes are odd on purpose (partial query blocks and key tiles). Exits non-zero
-if any result is off by more than 1e-5 from float64.
+if an f32-path result is off by more than 1e-5 from float64, a 16-bit result
+(float64 on the same 16-bit inputs) has a relative L2 error above one 16-bit
+epsilon, or a tiny FLUX.2 forward is not finite. A 16-bit kernel that cannot
+run on this device is reported and skipped.
 """
 
 from __future__ import annotations
@@ -17,43 +21,92 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from flux2_models import build_transformer, transformer_inputs
+from flux2_models import TINY_CONFIG, build_transformer, transformer_inputs
 from gpu_reference import attention_float64, random_qkv
 
 from pictor_diffusers import PictorAttn, attention
 
 CASES = [(1, 2, 77, 128), (2, 1, 45, 64), (1, 2, 130, 96), (1, 1, 70, 200), (1, 1, 33, 384), (1, 1, 1, 32)]
+CASES_16BIT = [(1, 2, 77, 128), (2, 3, 300, 128), (1, 2, 77, 64)]
+F32_KERNELS = ("auto", "f32")
+HALF_KERNELS = ("wgmma", "mma16")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TINY_D128 = {**TINY_CONFIG, "attention_head_dim": 128, "num_attention_heads": 2, "axes_dims_rope": (32, 32, 32, 32)}
+
+
+def blocker(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    if kernel == "wgmma":
+        from pictor_diffusers.hopper_launch import wgmma_blocker
+
+        return wgmma_blocker(q, k, v)
+    from pictor_diffusers.cuda_launch import mma16_blocker
+
+    return mma16_blocker(q, k, v)
+
+
+def run_f32(shape: tuple[int, ...], kernels: list[str]) -> bool:
+    q, k, v = random_qkv(*shape, seed=sum(shape))
+    ref = attention_float64(q, k, v)
+    ok = True
+    for kernel in kernels:
+        err = (attention(q, k, v, kernel=kernel).double() - ref).abs().max().item()
+        print(f"{shape} kernel={kernel}: max_abs {err:.2e}")
+        ok &= err <= 1e-5
+    return ok
+
+
+def run_16bit(shape: tuple[int, ...], kernels: list[str], dtypes: list[torch.dtype]) -> bool:
+    ok = True
+    for dtype in dtypes:
+        q, k, v = (t.to(dtype) for t in random_qkv(*shape, seed=sum(shape)))
+        ref = attention_float64(q, k, v)
+        for kernel in kernels:
+            reason = blocker(kernel, q, k, v)
+            if reason is not None:
+                print(f"{shape} kernel={kernel} {dtype}: skipped ({reason})")
+                continue
+            out = attention(q, k, v, kernel=kernel).double()
+            rel = ((out - ref).norm() / ref.norm()).item()
+            print(f"{shape} kernel={kernel} {dtype}: rel_l2 {rel:.2e} max_abs {(out - ref).abs().max().item():.2e}")
+            ok &= rel <= torch.finfo(dtype).eps and bool(torch.isfinite(out).all())
+    return ok
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", help="one BxHxNxD shape instead of the odd-shape set")
+    parser.add_argument("--shape", help="one BxHxNxD shape instead of the odd-shape sets")
+    parser.add_argument("--kernels", help=f"comma list of {F32_KERNELS + HALF_KERNELS} (default: all)")
+    parser.add_argument("--dtype", default="bf16,fp16", help="16-bit dtypes for wgmma / mma16: bf16, fp16")
     args = parser.parse_args()
-    cases = [tuple(int(x) for x in args.shape.split("x"))] if args.shape else CASES
-    worst = 0.0
-    for shape in cases:
-        q, k, v = random_qkv(*shape, seed=sum(shape))
-        ref = attention_float64(q, k, v)
-        for kernel in ("auto", "f32"):
-            err = (attention(q, k, v, kernel=kernel).double() - ref).abs().max().item()
-            print(f"{shape} kernel={kernel}: max_abs {err:.2e}")
-            worst = max(worst, err)
-    finite = args.shape is not None or run_prologue_cases()
-    return 0 if worst <= 1e-5 and finite else 1
+    kernels = args.kernels.split(",") if args.kernels else list(F32_KERNELS + HALF_KERNELS)
+    f32_kernels = [k for k in kernels if k in F32_KERNELS]
+    half_kernels = [k for k in kernels if k in HALF_KERNELS]
+    dtypes = [DTYPES[name] for name in args.dtype.split(",")]
+    shape = tuple(int(x) for x in args.shape.split("x")) if args.shape else None
+    ok = True
+    for case in [shape] if shape else CASES:
+        ok &= run_f32(case, f32_kernels) if f32_kernels else True
+    for case in [shape] if shape else CASES_16BIT:
+        ok &= run_16bit(case, half_kernels, dtypes) if half_kernels else True
+    if shape is None:
+        ok &= run_prologue_cases()
+    return 0 if ok else 1
 
 
 @torch.no_grad()
 def run_prologue_cases() -> bool:
-    """Tiny FLUX.2 forwards through PictorAttn: the fused prologue in f32/bf16, fused and not."""
+    """Tiny FLUX.2 forwards through PictorAttn: the fused prologue (f32 and 16-bit outputs), fused and not."""
     finite = True
-    for dtype in (torch.float32, torch.bfloat16):
-        model = build_transformer(device="cuda", dtype=dtype)
-        model.set_attn_processor(PictorAttn())
+    cases = [(TINY_CONFIG, torch.float32, "fp32"), (TINY_CONFIG, torch.bfloat16, "fp32")]
+    cases += [(TINY_D128, torch.bfloat16, "bf16"), (TINY_D128, torch.float16, "fp16")]
+    for config, dtype, precision in cases:
+        model = build_transformer(config, device="cuda", dtype=dtype)
+        model.set_attn_processor(PictorAttn(precision=precision))
         inputs = transformer_inputs(model, batch=2, latent_hw=(5, 7), text_len=9)
         finite &= bool(torch.isfinite(model(**inputs)[0]).all())
         model.fuse_qkv_projections()
         finite &= bool(torch.isfinite(model(**inputs)[0]).all())
-        print(f"tiny FLUX.2 {dtype}: finite={finite}")
+        print(f"tiny FLUX.2 {dtype} head_dim {config['attention_head_dim']} precision={precision}: finite={finite}")
     return finite
 
 

@@ -3,6 +3,7 @@
     python examples/generate.py --tiny                        # embedded default, any machine
     python examples/generate.py --prompt "a red fox" --out fox.png   # FLUX.2-klein-4B weights
     python examples/generate.py --tiny --compare              # PictorAttn against stock, same seed
+    python examples/generate.py --tiny --compare --precision bf16   # the 16-bit fast path
 
 `--model` takes a hub id or a local directory holding any FLUX.2 or FLUX.2 [klein]
 pipeline; HF_HUB_OFFLINE=1 is respected. `--tiny` builds a small random-weight
@@ -23,6 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_flux2 import synthetic_prompt_embeds, tiny_pipeline
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import PictorAttn
 
@@ -44,6 +46,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload()")
     parser.add_argument("--compare", action="store_true", help="also run the stock processor, same seed")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16", "auto"),
+        default="fp32",
+        help="PictorAttn(precision=...): fp32 parity path (default) or the 16-bit fast path",
+    )
     parser.add_argument("--out", type=Path, default=Path("flux2_pictor.png"))
     args = parser.parse_args()
     args.dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
@@ -96,14 +104,16 @@ def generate(pipe, args: argparse.Namespace, processor: object) -> tuple[Image.I
     return image, float(np.median(steps))
 
 
-def compare_images(ours: Image.Image, stock: Image.Image, out: Path) -> None:
-    """Print max-abs, mean-abs and PSNR (8-bit scale) and write the difference image."""
+def compare_images(ours: Image.Image, stock: Image.Image, out: Path, label: str = "PictorAttn vs stock") -> None:
+    """Print max-abs, mean-abs and PSNR (8-bit scale); write the difference image if `out` is given."""
     a = np.asarray(ours, dtype=np.float64)
     b = np.asarray(stock, dtype=np.float64)
     diff = np.abs(a - b)
     mse = float((diff**2).mean())
     psnr = float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-    print(f"PictorAttn vs stock: max-abs {diff.max():.0f}, mean-abs {diff.mean():.3f} (of 255), PSNR {psnr:.1f} dB")
+    print(f"{label}: max-abs {diff.max():.0f}, mean-abs {diff.mean():.3f} (of 255), PSNR {psnr:.1f} dB")
+    if out is None:
+        return
     scale = 255.0 / max(diff.max(), 1.0)
     Image.fromarray((diff * scale).astype(np.uint8)).save(out.with_name(out.stem + "_diff.png"))
 
@@ -120,7 +130,7 @@ def main() -> None:
     else:
         pipe.to(args.device)
 
-    image, ms = generate(pipe, args, PictorAttn())
+    image, ms = generate(pipe, args, PictorAttn(precision=args.precision))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     image.save(args.out)
     print(f"PictorAttn: {ms:.1f} ms per step, wrote {args.out}")
@@ -130,6 +140,9 @@ def main() -> None:
         stock.save(stock_out)
         print(f"stock: {stock_ms:.1f} ms per step, wrote {stock_out}")
         compare_images(image, stock, args.out)
+        with sdpa_kernel(SDPBackend.MATH):
+            stock_math, _ = generate(pipe, args, stock_processors(pipe.transformer))
+        compare_images(stock_math, stock, None, "yardstick, stock with SDPA's math backend vs stock default")
 
 
 def stock_processors(transformer: torch.nn.Module) -> dict:

@@ -35,11 +35,11 @@ def tiny_pipeline(dtype: torch.dtype, seed: int = 0) -> Flux2KleinPipeline:
         in_channels=32,
         num_layers=2,
         num_single_layers=2,
-        attention_head_dim=32,
-        num_attention_heads=4,
+        attention_head_dim=128,  # FLUX.2's head_dim, so a GPU runs the production kernels
+        num_attention_heads=2,
         joint_attention_dim=TEXT_DIM,
         timestep_guidance_channels=64,
-        axes_dims_rope=(8, 8, 8, 8),
+        axes_dims_rope=(32, 32, 32, 32),
         guidance_embeds=False,
     )
     pipe = Flux2KleinPipeline(

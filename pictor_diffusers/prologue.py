@@ -142,6 +142,9 @@ def pack_head_major(
     params = [norm_params(norm, head_dim, image.query) for norm in norms]
     rope_list = [t.to(device=image.query.device, dtype=torch.float32).contiguous() for t in rope] if rope else []
     return torch.ops.pictor.qkv_prologue(
-        [*text[:3], *image[:3]], [w for w, _ in params], rope_list, [e for _, e in params],
+        [*text[:3], *image[:3]],
+        [w for w, _ in params],
+        rope_list,
+        [e for _, e in params],
         str(dtype).removeprefix("torch."),
     )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 from flux2_models import KLEIN_4B_CONFIG, build_transformer, set_stock_processors, transformer_inputs
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import PictorAttn
 
@@ -86,28 +88,66 @@ def _forward_ms(model: torch.nn.Module, inputs: dict, repeats: int = 5) -> tuple
     return out, sorted(times)[len(times) // 2]
 
 
-@pytest.mark.slow
-@torch.no_grad()
-def test_klein_4b_shaped_transformer() -> None:
-    """24 heads, 5 double + 20 single blocks, bf16 random weights, 512 text + 4096 image tokens."""
+@pytest.fixture(scope="module")
+def klein_4b() -> Iterator[tuple[torch.nn.Module, dict, torch.Tensor, float]]:
+    """A klein-4B-shaped bf16 transformer, 512 text + 4096 image tokens, and its stock (output, ms)."""
     with torch.device("cuda"):
         model = build_transformer(KLEIN_4B_CONFIG, dtype=torch.bfloat16)
     inputs = transformer_inputs(model, batch=1, latent_hw=(64, 64), text_len=512)
     set_stock_processors(model)
-    stock, stock_ms = _forward_ms(model, inputs)
+    with torch.no_grad():
+        stock, stock_ms = _forward_ms(model, inputs)
+    yield model, inputs, stock, stock_ms
+    del model
+    torch.cuda.empty_cache()
+
+
+def _record(name: str, record: dict) -> None:
+    print("KLEIN4B", json.dumps(record))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as handle:
+            json.dump(record, handle)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_klein_4b_shaped_transformer(klein_4b: tuple) -> None:
+    """24 heads, 5 double + 20 single blocks, bf16 random weights, 512 text + 4096 image tokens."""
+    model, inputs, stock, stock_ms = klein_4b
     model.set_attn_processor(PictorAttn())
     ours, ours_ms = _forward_ms(model, inputs)
     rel = _rel_l2(ours, stock)
     record = {
-        "shape": "klein-4B 1024^2 (512+4096 tokens) bf16",
+        "shape": "klein-4B 1024^2 (512+4096 tokens) bf16, PictorAttn()",
         "stock_ms": stock_ms,
         "pictor_ms": ours_ms,
         "rel_l2_vs_stock": rel,
         "ratio": ours_ms / stock_ms,
     }
-    print("KLEIN4B", json.dumps(record))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "klein4b_forward.json"), "w") as handle:
-            json.dump(record, handle)
+    _record("klein4b_forward", record)
     assert torch.isfinite(ours).all()
     assert rel <= 5e-2
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_klein_4b_shaped_transformer_bf16_path(klein_4b: tuple) -> None:
+    """precision="bf16" against stock, within 2x the spread of stock's own SDPA backends (default vs math)."""
+    model, inputs, stock, stock_ms = klein_4b
+    set_stock_processors(model)
+    with sdpa_kernel(SDPBackend.MATH):
+        spread = _rel_l2(model(**inputs)[0], stock)
+    model.set_attn_processor(PictorAttn(precision="bf16"))
+    ours, ours_ms = _forward_ms(model, inputs)
+    rel = _rel_l2(ours, stock)
+    record = {
+        "shape": "klein-4B 1024^2 (512+4096 tokens) bf16, PictorAttn(precision='bf16')",
+        "stock_ms": stock_ms,
+        "pictor_ms": ours_ms,
+        "rel_l2_vs_stock": rel,
+        "stock_math_rel_l2_vs_stock": spread,
+        "ratio": ours_ms / stock_ms,
+    }
+    _record("klein4b_forward_bf16", record)
+    assert torch.isfinite(ours).all()
+    assert rel <= 2.0 * spread + 1e-4, f"rel L2 {rel:.3e} > 2 x stock's backend spread {spread:.3e} + 1e-4"

@@ -1,4 +1,10 @@
-"""The fused QK-norm / RoPE / head-major prologue kernel against its torch twin."""
+"""The fused QK-norm / RoPE / head-major prologue kernel against its torch twin.
+
+f32 outputs: within 2e-5 (relative to the largest value) of `pack_head_major_torch`.
+16-bit outputs (the fast path): the torch twin's f32 result rounded once, i.e.
+bitwise equal except where the two f32 results straddle a rounding boundary,
+and never more than one 16-bit ulp (plus the f32 tolerance) away.
+"""
 
 from __future__ import annotations
 
@@ -41,10 +47,14 @@ LAYOUTS = {
 }
 
 
+NAN_BITS = 0x7FC07FC0
+"""NaN as float32, and both halves NaN as bfloat16 and float16."""
+
+
 def _poison_allocator(numel: int) -> None:
-    """Leave NaN in the blocks the caching allocator hands out next."""
+    """Leave NaN (in every dtype) in the blocks the caching allocator hands out next."""
     for _ in range(3):
-        torch.full((numel,), float("nan"), device="cuda")
+        torch.full((numel,), NAN_BITS, dtype=torch.int32, device="cuda")
 
 
 @pytest.mark.parametrize("with_rope", [True, False], ids=["rope", "no-rope"])
@@ -78,3 +88,32 @@ def test_misaligned_layout_is_refused_and_the_op_falls_back_to_torch() -> None:
     ours = torch.ops.pictor.qkv_prologue(projections, weights, [], eps)
     for got, ref in zip(ours, pack_head_major_torch(projections, weights, [], eps), strict=True):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("with_rope", [True, False], ids=["rope", "no-rope"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=str)
+def test_prologue_16bit_output_is_the_f32_result_rounded_once(
+    in_dtype: torch.dtype, out_dtype: torch.dtype, layout: str, with_rope: bool
+) -> None:
+    projections = LAYOUTS[layout](2, in_dtype)
+    seq = projections[0].shape[1] + projections[3].shape[1]
+    weights, eps = _weights(), [1e-6] * 4
+    rope = _rope(seq) if with_rope else []
+    assert cuda_launch.prologue_blocker(projections, weights, rope, eps) is None
+    _poison_allocator(2 * HEADS * seq * HEAD_DIM)
+    fused = cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps, out_dtype)
+    via_op = torch.ops.pictor.qkv_prologue(projections, weights, rope, eps, str(out_dtype).removeprefix("torch."))
+    reference = pack_head_major_torch(projections, weights, rope, eps)
+    for name, ours, op, ref in zip("qkv", fused, via_op, reference, strict=True):
+        assert ours.dtype == out_dtype and ours.shape == (2, HEADS, seq, HEAD_DIM) and ours.is_contiguous()
+        assert not ours.isnan().any(), f"{name}: unwritten elements"
+        assert torch.equal(op, ours), f"{name}: the custom op did not run the kernel"
+        rounded = ref.to(out_dtype)
+        diff = (ours.float() - rounded.float()).abs()
+        bound = ref.abs() * torch.finfo(out_dtype).eps + 2e-5 * max(1.0, ref.abs().max().item())
+        assert (diff <= bound).all(), f"{name}: more than one {out_dtype} ulp off, max diff {diff.max().item():.3e}"
+        differing = (ours != rounded).float().mean().item()
+        print(f"{name} {in_dtype}->{out_dtype} {layout}: {differing:.2e} of elements not bitwise equal")
+        assert differing <= 1e-3, f"{name}: {differing:.2e} of elements differ from the rounded torch result"

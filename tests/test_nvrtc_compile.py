@@ -9,14 +9,13 @@ the d128 variant (FLUX.2's head_dim) must not spill or use a stack frame.
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
-import subprocess
 import warnings
 from pathlib import Path
 
 import pytest
+from compile_tools import needs_cupy, parse_resources, ptx_for, ptxas_report
 
 from pictor_diffusers import kernel_sources
 from pictor_diffusers.kernel_sources import F32_VARIANTS, KernelVariant, f32_variant_for
@@ -24,26 +23,6 @@ from pictor_diffusers.kernel_sources import F32_VARIANTS, KernelVariant, f32_var
 ARCHS = ["sm_80", "sm_90"]
 VARIANT_IDS = [variant.name for variant in F32_VARIANTS]
 STRICT_NO_SPILL = {"f32_d128"}
-
-
-def _cupy_importable() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_cupy = pytest.mark.skipif(
-    not _cupy_importable(), reason="NVRTC compiles through CuPy: pip install 'pictor-diffusers[cuda12]'"
-)
-
-
-@functools.cache
-def ptx_for(variant: KernelVariant, arch: str) -> str:
-    from pictor_diffusers.nvrtc import compile_ptx
-
-    return compile_ptx(variant, arch)
 
 
 @needs_cupy
@@ -75,44 +54,12 @@ def test_variants_differ(arch: str) -> None:
     assert len(set(ptxs.values())) == len(ptxs), "two variants compiled to identical PTX"
 
 
-def _ptxas_report(ptx: str, arch: str, tmp_path: Path) -> str:
-    ptx_file, cubin = tmp_path / "kernel.ptx", tmp_path / "kernel.cubin"
-    ptx_file.write_text(ptx, encoding="utf-8")
-    result = subprocess.run(
-        ["ptxas", f"-arch={arch}", "-v", str(ptx_file), "-o", str(cubin)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    report = result.stdout + result.stderr
-    if result.returncode != 0 and "Unsupported .version" in report:
-        pytest.skip(f"ptxas on PATH is older than the PTX from NVRTC: {report.strip()}")
-    assert result.returncode == 0, f"ptxas failed:\n{report}"
-    assert cubin.stat().st_size > 0
-    return report
-
-
-def parse_resources(report: str) -> dict[str, int]:
-    """registers, stack frame and spill bytes from `ptxas -v` output."""
-    patterns = {
-        "registers": r"Used (\d+) registers",
-        "stack_frame": r"(\d+) bytes stack frame",
-        "spill_stores": r"(\d+) bytes spill stores",
-        "spill_loads": r"(\d+) bytes spill loads",
-    }
-    found = {key: re.search(pattern, report) for key, pattern in patterns.items()}
-    missing = [key for key, match in found.items() if match is None]
-    assert not missing, f"could not parse {missing} from ptxas -v output:\n{report}"
-    return {key: int(match.group(1)) for key, match in found.items() if match is not None}
-
-
 @needs_cupy
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", F32_VARIANTS, ids=VARIANT_IDS)
 def test_ptxas_resources(variant: KernelVariant, arch: str, tmp_path: Path) -> None:
-    resources = parse_resources(_ptxas_report(ptx_for(variant, arch), arch, tmp_path))
+    resources = parse_resources(ptxas_report(ptx_for(variant, arch), arch, tmp_path))
     print(f"{variant.name} {arch}: {resources}")
     assert 0 < resources["registers"] <= 255
     if variant.name in STRICT_NO_SPILL:
@@ -138,7 +85,7 @@ def test_tf32x3_compiles(variant: KernelVariant, arch: str, tmp_path: Path) -> N
     assert re.search(r"\bmma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32\b", ptx), "no TF32 mma"
     if shutil.which("ptxas") is None:
         return
-    resources = parse_resources(_ptxas_report(ptx, arch, tmp_path))
+    resources = parse_resources(ptxas_report(ptx, arch, tmp_path))
     print(f"{variant.name} {arch}: {resources}")
     assert resources["registers"] * variant.threads <= 65536, f"one block does not fit the register file: {resources}"
     spills = {key: resources[key] for key in ("stack_frame", "spill_stores", "spill_loads")}
@@ -153,7 +100,7 @@ def test_prologue_compiles_without_spills(variant: KernelVariant, arch: str, tmp
     assert f".entry {variant.entry}" in ptx
     if shutil.which("ptxas") is None:
         return
-    resources = parse_resources(_ptxas_report(ptx, arch, tmp_path))
+    resources = parse_resources(ptxas_report(ptx, arch, tmp_path))
     assert not resources["spill_stores"] and not resources["stack_frame"], resources
 
 

@@ -1,7 +1,7 @@
 """Every bad input raises its promised error, and the message names the actual value.
 
-`pictor_diffusers.attention` takes contiguous float32 `[B, H, N, D]` on one
-cpu/cuda device with 1 <= D <= 384; `PictorAttn` serves only FLUX.2's two
+`pictor_diffusers.attention` takes contiguous `[B, H, N, D]` of one dtype
+(float32, bfloat16 or float16) on one cpu/cuda device with 1 <= D <= 384; `PictorAttn` serves only FLUX.2's two
 attention module types, without masks, KV caching or unknown keywords.
 """
 
@@ -46,12 +46,26 @@ def test_valid_inputs_pass(shape: Shape) -> None:
     assert out.shape == (shape[0], shape[2], shape[1] * shape[3])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("position", ARGS)
 @pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
-def test_wrong_dtype(shape: Shape, position: str, dtype: torch.dtype) -> None:
+def test_unsupported_dtype(shape: Shape, position: str, dtype: torch.dtype) -> None:
     bad = torch.randn(shape).to(dtype)
-    with pytest.raises(TypeError, match=rf"^{position} has dtype {re.escape(str(dtype))}\b"):
+    with pytest.raises(TypeError, match=rf"^{position} has dtype {re.escape(str(dtype))}; .*float32, bfloat16"):
+        attention(*with_bad(shape, position, bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("position", ARGS)
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_mixed_dtypes(shape: Shape, position: str, dtype: torch.dtype) -> None:
+    """One 16-bit tensor among float32 ones: the first that differs from query is named, with both dtypes."""
+    bad = torch.randn(shape).to(dtype)
+    named, named_dtype, query_dtype = (
+        ("key", torch.float32, dtype) if position == "query" else (position, dtype, torch.float32)
+    )
+    message = f"{named} has dtype {named_dtype} but query has {query_dtype}"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}"):
         attention(*with_bad(shape, position, bad))
 
 

@@ -1,0 +1,86 @@
+"""NVRTC / ptxas / SASS helpers shared by the compile tests (no GPU needed)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pictor_diffusers.kernel_sources import KernelVariant
+
+
+def _cupy_importable() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_cupy = pytest.mark.skipif(
+    not _cupy_importable(), reason="NVRTC compiles through CuPy: pip install 'pictor-diffusers[cuda12]'"
+)
+needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) is not on PATH")
+
+
+@functools.cache
+def ptx_for(variant: KernelVariant, arch: str) -> str:
+    from pictor_diffusers.nvrtc import compile_ptx
+
+    return compile_ptx(variant, arch)
+
+
+def ptxas_report(ptx: str, arch: str, tmp_path: Path) -> str:
+    """`ptxas -v` output for `ptx` assembled for `arch`; skips if ptxas is older than the PTX."""
+    ptx_file, cubin = tmp_path / "kernel.ptx", tmp_path / "kernel.cubin"
+    ptx_file.write_text(ptx, encoding="utf-8")
+    result = subprocess.run(
+        ["ptxas", f"-arch={arch}", "-v", str(ptx_file), "-o", str(cubin)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    report = result.stdout + result.stderr
+    if result.returncode != 0 and "Unsupported .version" in report:
+        pytest.skip(f"ptxas on PATH is older than the PTX from NVRTC: {report.strip()}")
+    assert result.returncode == 0, f"ptxas failed:\n{report}"
+    assert cubin.stat().st_size > 0
+    return report
+
+
+def parse_resources(report: str) -> dict[str, int]:
+    """registers, stack frame and spill bytes from `ptxas -v` output."""
+    patterns = {
+        "registers": r"Used (\d+) registers",
+        "stack_frame": r"(\d+) bytes stack frame",
+        "spill_stores": r"(\d+) bytes spill stores",
+        "spill_loads": r"(\d+) bytes spill loads",
+    }
+    found = {key: re.search(pattern, report) for key, pattern in patterns.items()}
+    missing = [key for key, match in found.items() if match is None]
+    assert not missing, f"could not parse {missing} from ptxas -v output:\n{report}"
+    return {key: int(match.group(1)) for key, match in found.items() if match is not None}
+
+
+def spills(resources: dict[str, int]) -> dict[str, int]:
+    """The non-zero stack-frame and spill counts of `parse_resources` output."""
+    return {key: resources[key] for key in ("stack_frame", "spill_stores", "spill_loads") if resources[key]}
+
+
+def sass_tool() -> list[str] | None:
+    """A command printing a cubin's SASS (`cuobjdump -sass` or `nvdisasm`), from PATH or beside ptxas."""
+    places = [None]
+    ptxas = shutil.which("ptxas")
+    if ptxas:
+        places.append(str(Path(ptxas).resolve().parent))
+    for place in places:
+        for name, args in (("cuobjdump", ["-sass"]), ("nvdisasm", [])):
+            found = shutil.which(name, path=place)
+            if found:
+                return [found, *args]
+    return None

@@ -1,0 +1,240 @@
+"""The 16-bit attention kernels (wgmma on sm_90, mma16 on sm_80+) against float64 SDPA.
+
+flash-attention's habit: the truth is float64 SDPA on the *same* 16-bit-rounded
+inputs, and the bound is torch SDPA's own error in that 16-bit dtype on those
+inputs (default backend; the math backend computing in 16-bit is printed too).
+Every launch writes into a NaN-poisoned output; inputs are fresh N(0,1) draws.
+A kernel that cannot run on this device (its blocker says why) is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpu_reference import attention_float64, random_qkv
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pictor_diffusers import attention, kernel_sources
+
+pytestmark = pytest.mark.gpu
+
+# metric -> (factor on SDPA-16-bit's own error, absolute floor)
+TOLERANCE = {"rel_l2": (1.5, 1e-5), "max_abs": (2.0, 1e-5)}
+
+KERNEL_HEAD_DIMS = {"wgmma": kernel_sources.WGMMA_HEAD_DIMS, "mma16": kernel_sources.MMA16_HEAD_DIMS}
+DTYPES = [torch.bfloat16, torch.float16]
+
+# (B, H, N, D): FLUX.2 at 512²/1024² with 24 and 48 heads; odd N, not multiples of the
+# 128-row query block nor of the 64- or 128-key tiles; N = 1.
+SHAPES = [
+    (1, 24, 4608, 128),
+    (2, 24, 1536, 128),
+    (1, 48, 4608, 128),
+    (1, 24, 1, 128),
+    (2, 3, 77, 128),
+    (1, 4, 1000, 64),
+    (2, 5, 4097, 128),
+]
+CASES = [(kernel, shape) for kernel in KERNEL_HEAD_DIMS for shape in SHAPES if shape[3] in KERNEL_HEAD_DIMS[kernel]]
+Shape = tuple[int, int, int, int]
+
+
+def _id(value: object) -> str:
+    if isinstance(value, tuple):
+        return "B{}-H{}-N{}-D{}".format(*value)
+    return str(value).removeprefix("torch.")
+
+
+def qkv16(shape: Shape, dtype: torch.dtype, seed: int, mult: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """Fresh N(0, mult²) q, k, v rounded to `dtype`, head-major and contiguous."""
+    return tuple(t.to(dtype) for t in random_qkv(*shape, seed=seed, scale=mult))
+
+
+def kernel_api(kernel: str, what: str) -> Callable:
+    """`{kernel}_blocker` or `flash_attention_{kernel}_cuda`: wgmma's live in `hopper_launch`."""
+    module = importlib.import_module("pictor_diffusers." + ("hopper_launch" if kernel == "wgmma" else "cuda_launch"))
+    return getattr(module, f"{kernel}_blocker" if what == "blocker" else f"flash_attention_{kernel}_cuda")
+
+
+def blocker_or_skip(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    reason = kernel_api(kernel, "blocker")(query, key, value)
+    if reason is not None:
+        pytest.skip(f"{kernel} cannot run here: {reason}")
+
+
+def launch(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """One direct launch of `kernel` into a NaN-poisoned `[B, N, H*D]` output of the inputs' dtype."""
+    batch, heads, seq, head_dim = query.shape
+    out = torch.full((batch, seq, heads * head_dim), float("nan"), device=query.device, dtype=query.dtype)
+    result = kernel_api(kernel, "launch")(query, key, value, head_dim**-0.5, out=out)
+    assert result.data_ptr() == out.data_ptr(), "the kernel did not write into the given out"
+    return out
+
+
+def sdpa16(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, math: bool = False) -> torch.Tensor:
+    """torch SDPA in the inputs' 16-bit dtype, token-major; `math` forces the math backend computing in 16-bit."""
+    with contextlib.ExitStack() as stack:
+        if math:
+            allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+            stack.callback(torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp, allowed)
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        out = F.scaled_dot_product_attention(query, key, value)
+    batch, heads, seq, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    diff = out.double() - ref
+    return {"rel_l2": (diff.norm() / ref.norm()).item(), "max_abs": diff.abs().max().item()}
+
+
+def assert_within_sdpa16(
+    label: str, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """`out` is finite, fully written and within TOLERANCE of default SDPA's own 16-bit error."""
+    assert not out.isnan().any(), f"{label}: poisoned (unwritten) or NaN elements"
+    assert torch.isfinite(out).all(), f"{label}: Inf in the output"
+    ref = attention_float64(query, key, value)
+    ours, sdpa = errors(out, ref), errors(sdpa16(query, key, value), ref)
+    math = errors(sdpa16(query, key, value, math=True), ref)
+    print(
+        f"KERNEL16 {label}: ours rel_l2 {ours['rel_l2']:.2e} max_abs {ours['max_abs']:.2e} | sdpa "
+        f"{sdpa['rel_l2']:.2e} {sdpa['max_abs']:.2e} | sdpa-math-16 {math['rel_l2']:.2e} {math['max_abs']:.2e}"
+    )
+    for metric, (factor, floor) in TOLERANCE.items():
+        bound = factor * sdpa[metric] + floor
+        assert ours[metric] <= bound, (
+            f"{label}: {metric} {ours[metric]:.3e} > {factor} x SDPA-{_id(query.dtype)}'s {sdpa[metric]:.3e} + {floor}"
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("kernel", "shape"), CASES, ids=_id)
+def test_kernel_within_sdpa_error(kernel: str, shape: Shape, dtype: torch.dtype) -> None:
+    query, key, value = qkv16(shape, dtype, seed=sum(shape))
+    blocker_or_skip(kernel, query, key, value)
+    out = launch(kernel, query, key, value)
+    torch.cuda.synchronize()
+    assert out.shape == (shape[0], shape[2], shape[1] * shape[3]) and out.dtype == dtype
+    assert_within_sdpa16(f"{kernel} {_id(dtype)} {_id(shape)}", out, query, key, value)
+
+
+LARGE_LOGIT_CASES = [(kernel, shape) for kernel, shape in CASES if shape in {(1, 24, 4608, 128), (2, 3, 77, 128)}]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("kernel", "shape"), LARGE_LOGIT_CASES, ids=_id)
+def test_large_logits(kernel: str, shape: Shape, dtype: torch.dtype) -> None:
+    """q, k, v x8 (logits up to ~300): no overflow of the running max or sum, same bound."""
+    query, key, value = qkv16(shape, dtype, seed=7, mult=8.0)
+    blocker_or_skip(kernel, query, key, value)
+    out = launch(kernel, query, key, value)
+    torch.cuda.synchronize()
+    assert_within_sdpa16(f"{kernel} {_id(dtype)} {_id(shape)} x8", out, query, key, value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))
+def test_bitwise_deterministic(kernel: str, dtype: torch.dtype) -> None:
+    query, key, value = qkv16((2, 24, 1536, 128), dtype, seed=11)
+    blocker_or_skip(kernel, query, key, value)
+    first = launch(kernel, query, key, value)
+    second = launch(kernel, query, key, value)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))
+def test_non_default_stream_with_concurrent_work(kernel: str) -> None:
+    query, key, value = qkv16((1, 24, 1536, 128), torch.bfloat16, seed=5)
+    blocker_or_skip(kernel, query, key, value)
+    expected = launch(kernel, query, key, value)
+    side = torch.cuda.Stream()
+    busy = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        q2, k2, v2 = (t * 1.0 for t in (query, key, value))
+        out = attention(q2, k2, v2, kernel=kernel)
+        checksum = out.float().sum()
+    for _ in range(4):
+        busy = busy @ busy / 8192.0
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected), "the side-stream result differs from the default-stream launch"
+    assert torch.isfinite(checksum)
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))
+def test_cuda_graph_capture_and_replay(kernel: str) -> None:
+    shape = (1, 24, 1000, 128)
+    query, key, value = qkv16(shape, torch.bfloat16, seed=9)
+    blocker_or_skip(kernel, query, key, value)
+    attention(query, key, value, kernel=kernel)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attention(query, key, value, kernel=kernel)
+    for seed in (21, 22):
+        fresh = qkv16(shape, torch.bfloat16, seed=seed)
+        for static, new in zip((query, key, value), fresh, strict=True):
+            static.copy_(new)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, launch(kernel, *fresh)), f"replay with seed {seed} differs from eager"
+
+
+def expected_auto_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """The spec's choice for kernel="auto" on 16-bit CUDA inputs."""
+    for kernel in ("wgmma", "mma16"):
+        if kernel_api(kernel, "blocker")(query, key, value) is None:
+            return kernel
+    return "f32"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("shape", [(1, 24, 1536, 128), (1, 4, 1000, 64), (1, 3, 77, 32)], ids=_id)
+def test_auto_picks_the_expected_kernel(shape: Shape, dtype: torch.dtype) -> None:
+    query, key, value = qkv16(shape, dtype, seed=17)
+    expected = expected_auto_kernel(query, key, value)
+    out = attention(query, key, value)
+    assert out.dtype == dtype and out.shape == (shape[0], shape[2], shape[1] * shape[3])
+    if expected == "f32":
+        direct = attention(query.float(), key.float(), value.float(), out_dtype=dtype)
+    else:
+        direct = launch(expected, query, key, value)
+    print(f"auto {_id(dtype)} {_id(shape)} -> {expected}")
+    assert torch.equal(out, direct), f"kernel='auto' does not match a direct launch of {expected}"
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))
+def test_explicit_kernel_that_cannot_run_names_the_reason(kernel: str) -> None:
+    """head_dim 32 has no 16-bit variant: asking for one by name raises the blocker's reason."""
+    query, key, value = qkv16((1, 2, 77, 32), torch.bfloat16, seed=3)
+    reason = kernel_api(kernel, "blocker")(query, key, value)
+    assert reason is not None, f"{kernel} claims it can run head_dim 32"
+    with pytest.raises(ValueError, match=rf"{kernel}.*{re.escape(reason)}"):
+        attention(query, key, value, kernel=kernel)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_misaligned_inputs_fall_back_to_the_f32_path(dtype: torch.dtype) -> None:
+    """Views one element into their storage are not 16-byte aligned: both 16-bit kernels refuse them,
+    "auto" runs the f32 kernels on the upcast inputs, and asking for a 16-bit kernel says why."""
+    shape = (1, 4, 300, 128)
+    numel = 4 * 300 * 128
+    storage = qkv16((1, 1, 3, numel + 1), dtype, seed=23)[0].flatten()
+    query, key, value = (storage[i * (numel + 1) + 1 : (i + 1) * (numel + 1)].view(shape) for i in range(3))
+    assert query.is_contiguous() and query.data_ptr() % 16
+    for kernel in KERNEL_HEAD_DIMS:
+        reason = kernel_api(kernel, "blocker")(query, key, value)
+        assert reason is not None and "aligned" in reason, f"{kernel} accepts misaligned inputs: {reason}"
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            attention(query, key, value, kernel=kernel)
+    out = attention(query, key, value)
+    assert torch.equal(out, attention(query.float(), key.float(), value.float(), out_dtype=dtype))
