@@ -1,7 +1,8 @@
 """What PictorAttn costs besides the kernels: compile, start-up, host overhead per call.
 
-* cold: first `attention()` call in a new process with an empty CuPy kernel cache
-  (NVRTC compile + module load), for the tensor-core kernel and the prologue;
+* cold: first `attention()` call in a new process with empty CuPy and pictor
+  kernel caches (NVRTC compile + module load), for the fp32 path (3xTF32 kernel)
+  and the bf16 path (the sm_90a wgmma cubin on Hopper);
 * warm: the same in a new process whose cache holds the compiled kernels;
 * per call: host time of `attention()` at a small N, launched back to back
   without synchronising, against the kernel's own CUDA-event time.
@@ -22,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIRST_CALL = """
-import time, torch
+import sys, time, torch
 from pictor_diffusers import attention
-q = torch.randn(1, 2, 64, 128, device="cuda")
+q = torch.randn(1, 2, 64, 128, device="cuda").to(getattr(torch, sys.argv[1]))
 torch.cuda.synchronize()
 start = time.perf_counter()
 attention(q, q, q)
@@ -34,18 +36,19 @@ print(time.perf_counter() - start)
 """
 
 
-def first_call_seconds(cache_dir: str) -> float:
-    """Wall time of the first attention() call in a fresh process using `cache_dir`."""
-    env = {**os.environ, "CUPY_CACHE_DIR": cache_dir}
-    result = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, env=env, check=True)
+def first_call_seconds(cache_dir: str, dtype: torch.dtype) -> float:
+    """Wall time of the first attention() call in a fresh process using `cache_dir` for both caches."""
+    env = {**os.environ, "CUPY_CACHE_DIR": cache_dir, "PICTOR_CACHE_DIR": cache_dir}
+    command = [sys.executable, "-c", FIRST_CALL, str(dtype).removeprefix("torch.")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def per_call_overhead(calls: int = 2000) -> tuple[float, float]:
+def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, float]:
     """(host µs per call launched back to back, kernel µs per call) at B=1, H=2, N=64, D=128."""
     from pictor_diffusers import attention
 
-    q = torch.randn(1, 2, 64, 128, device="cuda")
+    q = torch.randn(1, 2, 64, 128, device="cuda").to(dtype)
     for _ in range(10):
         attention(q, q, q)
     torch.cuda.synchronize()
@@ -75,21 +78,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as cache:
-        cold = first_call_seconds(cache)
-        warm = first_call_seconds(cache)
-    host_us, kernel_us = per_call_overhead()
-    record = {
-        "suite": "overheads",
-        "gpu": torch.cuda.get_device_name(),
-        "first_call_cold_cache_s": cold,
-        "first_call_warm_cache_s": warm,
-        "host_us_per_call": host_us,
-        "kernel_us_per_call_graph_replay": kernel_us,
-    }
-    print(json.dumps(record, indent=1))
+    records = []
+    for name, dtype in DTYPES.items():
+        with tempfile.TemporaryDirectory() as cache:
+            cold = first_call_seconds(cache, dtype)
+            warm = first_call_seconds(cache, dtype)
+        host_us, kernel_us = per_call_overhead(dtype)
+        records.append(
+            {
+                "suite": "overheads",
+                "dtype": name,
+                "gpu": torch.cuda.get_device_name(),
+                "first_call_cold_cache_s": cold,
+                "first_call_warm_cache_s": warm,
+                "host_us_per_call": host_us,
+                "kernel_us_per_call_graph_replay": kernel_us,
+            }
+        )
+    print(json.dumps(records, indent=1))
     if args.json:
-        args.json.write_text(json.dumps([record], indent=1))
+        args.json.write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

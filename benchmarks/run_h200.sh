@@ -38,6 +38,9 @@ ncu --clock-control none -k regex:joint_attention_mma16 -c 1 $NCU_SECTIONS \
   python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels mma16 --dtype bf16 > "$OUT/ncu_mma16.log" 2>&1
 grep -E "$NCU_GREP" "$OUT/ncu_mma16.log"
 stamp ncu done
+
+python3 benchmarks/bench_overheads.py --json "$OUT/overheads_h200.json" | grep -E "dtype|_s\"|_us"
+stamp overheads done
 fi
 [ "$PART" = test ] && exit 0
 

@@ -104,7 +104,7 @@ def generate(pipe, args: argparse.Namespace, processor: object) -> tuple[Image.I
     return image, float(np.median(steps))
 
 
-def compare_images(ours: Image.Image, stock: Image.Image, out: Path, label: str = "PictorAttn vs stock") -> None:
+def compare_images(ours: Image.Image, stock: Image.Image, out: Path | None, label: str = "PictorAttn vs stock") -> None:
     """Print max-abs, mean-abs and PSNR (8-bit scale); write the difference image if `out` is given."""
     a = np.asarray(ours, dtype=np.float64)
     b = np.asarray(stock, dtype=np.float64)

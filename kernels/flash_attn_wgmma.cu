@@ -3,10 +3,10 @@
    Algorithm: flash-attention forward, non-causal, no mask, online softmax in the
    exp2 domain (scale * log2(e) folded into one FFMA), f32 accumulators and f32
    softmax state. Warp-specialised, after FlashAttention-3:
-     * warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA)
-       of the Q tile once and of K/V tiles into a WG_STAGES-deep ring, each
-       completing on an mbarrier; the warpgroup then gives up its registers
-       (setmaxnreg) to the consumers. K and V of a stage are freed apart (K
+     * warpgroup 0 is the producer: it first gives up most of its registers
+       (setmaxnreg) to the consumers, then one thread issues bulk tensor
+       copies (TMA) of the Q tile once and of K/V tiles into a WG_STAGES-deep
+       ring, each completing on an mbarrier. K and V of a stage are freed apart (K
        as soon as S is computed, V after P.V), so loads run up to
        WG_STAGES tiles ahead;
      * warpgroups 1 and 2 are consumers, 64 query rows each. Per key tile j they
@@ -18,7 +18,8 @@
    Launch geometry:
        grid  = (ceil(seq / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
-       dynamic shared memory = WG_SMEM_BYTES (224 KiB + 1 KiB alignment slack):
+       dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes (224 KiB of tiles,
+       1 KiB of alignment slack, 104 bytes of mbarriers):
            Q tile, WG_STAGES x (K tile, V tile), 128 x 128 16-bit each, stored
            as two 64-column slabs of 128-byte rows in TMA's 128-byte swizzle;
            then the mbarriers.

@@ -43,6 +43,7 @@ CUPY_INSTALL_HINT = (
 _kernels: dict[tuple[str, int], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
 _lock = threading.Lock()
+_thread_state = threading.local()
 
 
 def import_cupy() -> Any:
@@ -52,6 +53,20 @@ def import_cupy() -> Any:
     except ImportError as error:
         raise ImportError(CUPY_INSTALL_HINT) from error
     return cupy
+
+
+def bind_context(device_index: int) -> None:
+    """Make the device's primary CUDA context current in this thread (once per thread).
+
+    Driver-level launches need a current context; a thread that has only used
+    torch's cached allocations may not have one yet. cudaSetDevice binds it.
+    """
+    bound = getattr(_thread_state, "devices", None)
+    if bound is None:
+        bound = _thread_state.devices = set()
+    if device_index not in bound:
+        import_cupy().cuda.runtime.setDevice(device_index)
+        bound.add(device_index)
 
 
 def compiled_kernel(variant: KernelVariant, device_index: int) -> Any:
@@ -160,6 +175,8 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, de
             f"out must be a contiguous {dtype} {shape} tensor on {device}, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
+    if out.data_ptr() % 16:
+        raise ValueError(f"out must be 16-byte aligned, got address {out.data_ptr():#x} (a view with an offset?)")
 
 
 def _launch(
@@ -174,6 +191,7 @@ def _launch(
     device = tensors[0].device
     kernel = compiled_kernel(variant, device.index)
     with torch.cuda.device(device), cupy.cuda.Device(device.index), _cupy_stream(cupy, device):
+        bind_context(device.index)
         arrays = tuple(cupy.from_dlpack(_SameStreamExport(_dlpack_view(t))) for t in tensors)
         kernel(grid, (variant.threads,), arrays + scalars, shared_mem=shared_bytes)
 

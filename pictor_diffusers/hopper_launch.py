@@ -17,11 +17,12 @@ import ctypes
 import functools
 import math
 import threading
+import warnings
 from typing import Any
 
 import torch
 
-from .cuda_launch import _device_limits, import_cupy
+from .cuda_launch import _device_limits, bind_context, import_cupy
 from .kernel_sources import WGMMA_HEAD_DIMS, KernelVariant, wgmma_variant_for
 from .nvrtc import cached_cubin, load_nvrtc_library
 
@@ -30,7 +31,11 @@ _BOX_COLUMNS, _BOX_ROWS = 64, 128
 _TENSOR_MAP_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 
+_MAP_CACHE_SIZE = 256
+
 _functions: dict[tuple[str, int], tuple[Any, int]] = {}
+_setup_problems: dict[tuple[int, torch.dtype], str | None] = {}
+_maps: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[ctypes.Array, int]] = {}
 _lock = threading.Lock()
 
 
@@ -81,11 +86,47 @@ def _encode_head_major(pointer: int, shape: tuple[int, int, int, int], dtype: to
     return buffer, address
 
 
+def _tensor_map(pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype) -> tuple[ctypes.Array, int]:
+    """`_encode_head_major`, memoised by (address, shape, dtype): a map holds nothing else,
+    so it stays valid for whatever tensor lives there. The caller keeps the returned
+    buffer alive until its launch."""
+    cache_key = (pointer, shape, dtype)
+    entry = _maps.get(cache_key)
+    if entry is None:
+        if len(_maps) >= _MAP_CACHE_SIZE:
+            _maps.clear()
+        entry = _maps[cache_key] = _encode_head_major(pointer, shape, dtype)
+    return entry
+
+
+def _setup_problem(device_index: int, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot be built, cached or loaded on this device (tried once), or None.
+
+    Any failure there (an NVRTC without sm_90a, no writable cache, a driver
+    without tensor maps) disables the kernel with its reason and a warning, so
+    "auto" moves on to the next kernel.
+    """
+    cache_key = (device_index, dtype)
+    if cache_key not in _setup_problems:
+        problem = None
+        try:
+            _driver()
+            _function(wgmma_variant_for(WGMMA_HEAD_DIMS[0], str(dtype).removeprefix("torch.")), device_index)
+        except Exception as error:  # every failure is reported, and the path disabled
+            problem = f"the wgmma kernel could not be prepared ({type(error).__name__}: {error})"
+            warnings.warn(f"pictor-diffusers: {problem}; using the next kernel", RuntimeWarning, stacklevel=3)
+        _setup_problems[cache_key] = problem
+    return _setup_problems[cache_key]
+
+
 def wgmma_blocker(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
     """Why the Hopper wgmma kernel cannot take these CUDA inputs, or None if it can."""
     head_dim = query.shape[-1]
     if query.dtype not in _TENSOR_MAP_DTYPES:
         return f"dtype {query.dtype} is not bfloat16 or float16"
+    tensors = (query, key, value)
+    if any(t.dtype != query.dtype or t.shape != query.shape or not t.is_contiguous() for t in tensors):
+        return "q, k and v must be contiguous with one shape and dtype"
     if head_dim not in WGMMA_HEAD_DIMS:
         return f"head_dim={head_dim} is not one of {WGMMA_HEAD_DIMS}"
     capability, shared_limit = _device_limits(query.device.index)
@@ -94,9 +135,9 @@ def wgmma_blocker(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     needed = wgmma_variant_for(head_dim, "bfloat16").shared_bytes(head_dim)
     if needed > shared_limit:
         return f"needs {needed} bytes of shared memory per block, the device allows {shared_limit}"
-    if any(t.data_ptr() % 16 for t in (query, key, value)):
+    if any(t.data_ptr() % 16 for t in tensors):
         return "q, k or v is not 16-byte aligned"
-    return None
+    return _setup_problem(query.device.index, query.dtype)
 
 
 def _function(variant: KernelVariant, device_index: int) -> int:
@@ -152,7 +193,7 @@ def flash_attention_wgmma_cuda(
         out = torch.empty(shape, dtype=query.dtype, device=query.device)
     _check_out(out, shape, query.dtype, query.device)
     function = _function(variant, query.device.index)
-    maps = [_encode_head_major(t.data_ptr(), query.shape, query.dtype) for t in (query, key, value)]
+    maps = [_tensor_map(t.data_ptr(), tuple(query.shape), query.dtype) for t in (query, key, value)]
     scalars = (
         ctypes.c_uint64(out.data_ptr()),
         ctypes.c_uint32(heads),
@@ -162,5 +203,6 @@ def flash_attention_wgmma_cuda(
     params = (ctypes.c_void_p * 7)(*(address for _, address in maps), *(ctypes.addressof(c) for c in scalars))
     grid = (-(-seq // variant.rows_per_block), heads, batch)
     with torch.cuda.device(query.device):
+        bind_context(query.device.index)
         _launch_kernel(function, grid, variant, torch.cuda.current_stream().cuda_stream, ctypes.addressof(params))
     return out

@@ -19,6 +19,7 @@ Kernel families:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +202,7 @@ def f32_variant_for(head_dim: int) -> KernelVariant:
     raise ValueError(f"head_dim={head_dim} exceeds the widest kernel variant ({MAX_HEAD_DIM})")
 
 
+@functools.cache
 def tf32x3_variant_for(head_dim: int, out_dtype: str) -> KernelVariant:
     """The tensor-core variant for exactly `head_dim` writing `out_dtype`."""
     if head_dim not in TF32X3_HEAD_DIMS:
@@ -208,6 +210,7 @@ def tf32x3_variant_for(head_dim: int, out_dtype: str) -> KernelVariant:
     return _tf32x3_variant(head_dim, out_dtype)
 
 
+@functools.cache
 def wgmma_variant_for(head_dim: int, dtype: str) -> KernelVariant:
     """The Hopper 16-bit variant for exactly `head_dim` and `dtype` ("bfloat16" / "float16")."""
     if head_dim not in WGMMA_HEAD_DIMS:
@@ -215,6 +218,7 @@ def wgmma_variant_for(head_dim: int, dtype: str) -> KernelVariant:
     return _wgmma_variant(head_dim, dtype)
 
 
+@functools.cache
 def mma16_variant_for(head_dim: int, dtype: str) -> KernelVariant:
     """The portable 16-bit variant for exactly `head_dim` and `dtype` ("bfloat16" / "float16")."""
     if head_dim not in MMA16_HEAD_DIMS:

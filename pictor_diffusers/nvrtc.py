@@ -93,11 +93,39 @@ def _restore_elf_tail(cubin: bytes) -> bytes:
 
 
 def cache_dir() -> Path:
-    """Where cubins are cached: $PICTOR_CACHE_DIR, else ~/.cache/pictor-diffusers."""
+    """Where cubins are cached: $PICTOR_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache, /pictor-diffusers."""
     configured = os.environ.get(CACHE_ENV)
     if configured:
         return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pictor-diffusers"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pictor-diffusers"
+
+
+def _cache_dirs() -> tuple[Path, Path]:
+    """The cache, then a per-user temporary folder for machines whose cache is read-only."""
+    user = os.getuid() if hasattr(os, "getuid") else os.getpid()
+    return cache_dir(), Path(tempfile.gettempdir()) / f"pictor-diffusers-{user}"
+
+
+def _is_cubin(path: Path) -> bool:
+    try:
+        with path.open("rb") as handle:
+            return handle.read(5) == b"\x7fELF\x02"
+    except OSError:
+        return False
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file and a rename, readable by others, never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False)
+    try:
+        with handle:
+            handle.write(data)
+        os.chmod(handle.name, 0o644)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
 
 
 def cached_cubin(variant: KernelVariant, arch: str) -> Path:
@@ -105,16 +133,21 @@ def cached_cubin(variant: KernelVariant, arch: str) -> Path:
 
     The file name hashes the source text, the options, the arch and the NVRTC
     version, so an edited kernel or a new toolkit never reuses a stale binary.
-    Writes are atomic (temporary file + rename), safe across processes.
+    Writes are atomic, safe across processes; a cache folder that cannot be
+    written falls back to a per-user temporary folder.
     """
     key = "\0".join((read_source(variant), *variant.options(), arch, repr(nvrtc_version())))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    path = cache_dir() / f"{variant.name}-{arch}-{digest}.cubin"
-    if path.is_file():
-        return path
+    name = f"{variant.name}-{arch}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.cubin"
+    folders = _cache_dirs()
+    for folder in folders:
+        if _is_cubin(folder / name):
+            return folder / name
     cubin = compile_cubin(variant, arch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
-        handle.write(cubin)
-    os.replace(handle.name, path)
-    return path
+    errors = []
+    for folder in folders:
+        try:
+            _write_atomic(folder / name, cubin)
+            return folder / name
+        except OSError as error:
+            errors.append(f"{folder}: {error}")
+    raise RuntimeError(f"cannot cache the {variant.name} cubin ({'; '.join(errors)}); set {CACHE_ENV}")

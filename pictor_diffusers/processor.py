@@ -23,6 +23,9 @@ same algorithms run in torch. `precision` picks the contract:
   softmax (wgmma on Hopper); as accurate as SDPA's 16-bit kernels.
 * "auto": the 16-bit path in the model's dtype for bf16/fp16 models, "fp32"
   for fp32 models.
+
+q and k are bounded by the RMSNorm, v is not: "fp16" on a bf16 or fp32 model
+turns values beyond fp16's 65504 into inf. "auto" never narrows the range.
 """
 
 from __future__ import annotations

@@ -83,7 +83,13 @@ def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dty
         raise ValueError(f"the 16-bit kernels write their input dtype {in_dtype}, got out_dtype={out_dtype}")
 
 
+_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+
+
 def check_scale(scale: float) -> None:
-    """Raise ValueError unless the logit scale is a finite positive number."""
+    """Raise ValueError unless the logit scale is finite, positive, and its product
+    with log2(e) (what the kernels multiply logits by) a normal float32."""
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
+    if not _F32_TINY <= scale / math.log(2.0) <= _F32_MAX:
+        raise ValueError(f"scale={scale} is outside float32's normal range once multiplied by log2(e)")

@@ -15,6 +15,7 @@ Tests skip with the reason when CuPy (NVRTC), ptxas or a disassembler is absent.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
@@ -82,9 +83,15 @@ def test_wgmma_ptx(variant: KernelVariant) -> None:
 @needs_ptxas
 @pytest.mark.parametrize("variant", WGMMA_VARIANTS, ids=_ids(WGMMA_VARIANTS))
 def test_wgmma_ptxas_no_spills(variant: KernelVariant, tmp_path: Path) -> None:
-    resources = parse_resources(ptxas_report(ptx_for(variant, WGMMA_ARCH), WGMMA_ARCH, tmp_path))
+    report = ptxas_report(ptx_for(variant, WGMMA_ARCH), WGMMA_ARCH, tmp_path)
+    resources = parse_resources(report)
     print(f"{variant.name} {WGMMA_ARCH}: {resources}")
     assert not spills(resources), f"{variant.name} spills or uses a stack frame: {spills(resources)}"
+    # setmaxnreg hands the producer's registers to the consumers (24 x 128 + 240 x 256): the
+    # registers the block starts with must cover that, or setmaxnreg.inc waits forever.
+    assert resources["registers"] * variant.threads >= 24 * 128 + 240 * 256, resources
+    for warning in ("C7508", "C7510"):  # setmaxnreg ignored / wgmma serialised
+        assert warning not in report, f"{variant.name}: ptxas warning {warning}:\n{report}"
 
 
 @needs_cupy
@@ -193,3 +200,28 @@ def test_sources_hold_the_entries() -> None:
     for variant in MMA16_VARIANTS + WGMMA_VARIANTS:
         source = kernel_sources.read_source(variant)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{variant.entry}\(', source)
+
+
+@needs_cupy
+def test_cubin_cache_recompiles_a_corrupt_file_and_survives_a_read_only_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pictor_diffusers import nvrtc
+
+    variant = WGMMA_VARIANTS[0]
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(nvrtc.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    first = nvrtc.cached_cubin(variant, WGMMA_ARCH)
+    assert first.parent == tmp_path / "cache" and first.stat().st_mode & 0o044 == 0o044
+    first.write_bytes(b"half-written")
+    again = nvrtc.cached_cubin(variant, WGMMA_ARCH)
+    assert again == first and again.read_bytes()[:4] == b"\x7fELF", "a corrupt cache entry was not rebuilt"
+    assert not list(first.parent.glob("*.tmp")), "temporary files left behind"
+
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    monkeypatch.setenv(nvrtc.CACHE_ENV, str(read_only / "cache"))
+    if os.access(read_only, os.W_OK):
+        pytest.skip("running as a user who can write anywhere (root): read-only case not testable")
+    fallback = nvrtc.cached_cubin(variant, WGMMA_ARCH)
+    assert fallback.parent.parent == tmp_path / "tmp" and fallback.read_bytes()[:4] == b"\x7fELF"

@@ -225,6 +225,13 @@ def test_non_positive_or_non_finite_scale_is_refused(scale: float) -> None:
         attention(query, query, query, scale=scale)
 
 
+@pytest.mark.parametrize("scale", [1e-40, 1e39])
+def test_scale_outside_float32_range_is_refused(scale: float) -> None:
+    query = torch.randn(1, 2, 7, 32)
+    with pytest.raises(ValueError, match=re.escape(f"scale={scale} is outside float32's normal range")):
+        attention(query, query, query, scale=scale)
+
+
 def test_raw_custom_op_validates_its_inputs() -> None:
     """torch.ops.pictor.attention is public too: it must not trust its caller."""
     query = torch.randn(1, 2, 9, 16).transpose(2, 3).contiguous().transpose(2, 3)

@@ -1,0 +1,75 @@
+"""Launch paths under conditions that break naive launchers: fresh threads, a
+Hopper kernel that cannot be prepared, misaligned outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from gpu_reference import attention_float64, random_qkv
+
+from pictor_diffusers import attention, cuda_launch, hopper_launch
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = (1, 3, 77, 128)  # odd N: partial query block and key tile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_first_call_in_a_new_thread(dtype: torch.dtype) -> None:
+    """A thread that never touched CUDA itself: the launch must bind the device's context."""
+    query, key, value = (t.to(dtype) for t in random_qkv(*SHAPE, seed=3))
+    attention(query, key, value)  # compile and load in the main thread first
+    torch.cuda.synchronize()
+    results: dict[str, object] = {}
+
+    def worker() -> None:
+        try:
+            results["out"] = attention(query, key, value)
+            torch.cuda.synchronize()
+        except Exception as error:  # reported to the main thread below
+            results["error"] = error
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert "error" not in results, f"attention() in a new thread raised {results.get('error')!r}"
+    expected = attention_float64(query.float(), key.float(), value.float())
+    error = (results["out"].double() - expected).abs().max().item()
+    assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
+
+
+def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed sm_90a build disables wgmma with a warning; "auto" runs mma16, "wgmma" names the failure."""
+    query, key, value = (t.to(torch.bfloat16) for t in random_qkv(*SHAPE, seed=4))
+    if cuda_launch.mma16_blocker(query, key, value) is not None:
+        pytest.skip("mma16 cannot run here")
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("NVRTC failed (simulated)")
+
+    monkeypatch.setattr(hopper_launch, "_function", broken)
+    monkeypatch.setattr(hopper_launch, "_setup_problems", {})
+    capability = torch.cuda.get_device_capability()
+    hopper = capability == (9, 0)
+    with pytest.warns(RuntimeWarning, match="could not be prepared") if hopper else contextlib.nullcontext():
+        out = attention(query, key, value)
+    expected = cuda_launch.flash_attention_mma16_cuda(query, key, value, 128**-0.5)
+    assert torch.equal(out, expected)
+    if hopper:
+        with pytest.raises(ValueError, match=r"kernel='wgmma' cannot run these inputs: .*NVRTC failed \(simulated\)"):
+            attention(query, key, value, kernel="wgmma")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_misaligned_out_is_refused(dtype: torch.dtype) -> None:
+    query, key, value = (t.to(dtype) for t in random_qkv(*SHAPE, seed=5))
+    batch, heads, seq, head_dim = SHAPE
+    storage = torch.empty(batch * seq * heads * head_dim + 1, dtype=dtype, device="cuda")
+    out = storage[1:].view(batch, seq, heads * head_dim)
+    f32 = dtype == torch.float32
+    launch = cuda_launch.flash_attention_tf32x3_cuda if f32 else cuda_launch.flash_attention_mma16_cuda
+    with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+        launch(query, key, value, head_dim**-0.5, out=out)
