@@ -47,14 +47,15 @@ DEFAULT_ROWS = [
     ("pictor_mma16", "bf16"),
     ("sdpa_flash", "bf16"),
     ("sdpa_cudnn", "bf16"),
+    ("sdpa_efficient", "bf16"),
+    ("sdpa_math", "bf16"),
     ("pictor_wgmma", "fp16"),
     ("sdpa_flash", "fp16"),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # FLUX.2: B 1 and 2; 24 (klein-4B), 32 (klein-9B), 48 (dev) heads; 512² / 1024² / 2048² images.
-DEFAULT_SHAPES = (
-    "1x24x1536x128,2x24x1536x128,1x24x4608x128,2x24x4608x128,1x32x4608x128,1x48x4608x128,"
-    "2x48x4608x128,1x24x16896x128,1x32x16896x128,1x48x16896x128"
+DEFAULT_SHAPES = ",".join(
+    f"{batch}x{heads}x{seq}x128" for seq in (1536, 4608, 16896) for heads in (24, 32, 48) for batch in (1, 2)
 )
 # Conservative H200 throughput per backend (TFLOP/s), only to plan skips and repetitions.
 EST_TFLOPS = {
