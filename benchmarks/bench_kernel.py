@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,10 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from gpu_reference import attention_float64, attention_flops, random_qkv
-
 from pictor_diffusers import attention
+from pictor_diffusers.testing.references import attention_float64, attention_flops, random_qkv
+from pictor_diffusers.testing.timing import median_ms
 
 SDPA_BACKENDS = {
     "sdpa_math": SDPBackend.MATH,
@@ -113,28 +111,6 @@ def _runner(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return run
 
 
-GPU_HOLD_CYCLES = 2_000_000
-"""~1 ms of GPU spin before each timed call, so the host has queued the call before
-the start event runs: the events then time the GPU's work, not the host's launch
-overhead (which `bench_overheads.py` measures on its own)."""
-
-
-def time_ms(fn: Callable, warmup: int, reps: int) -> float:
-    """Median CUDA-event time of `fn` in ms (GPU time), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(GPU_HOLD_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def reference(shape: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """float64 SDPA in head chunks of at most ~4 GB of scores."""
     batch, _, seq, _ = shape
@@ -175,7 +151,7 @@ def bench_shape(shape: tuple[int, int, int, int], rows: list[tuple[str, str]], r
         }
         del out, err
         warmup, timed = repetitions(backend, shape, reps)
-        record["ms"] = time_ms(fn, warmup=warmup, reps=timed)
+        record["ms"] = median_ms(fn, warmup=warmup, timed=timed)
         record["tflops"] = attention_flops(*shape) / record["ms"] / 1e9
         records.append(record)
         print_row(record)

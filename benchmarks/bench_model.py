@@ -18,18 +18,21 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
+from bench_kernel import environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bench_kernel import environment
-from flux2_models import KLEIN_4B_CONFIG, TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
-from gpu_reference import attention_flops
-
 from pictor_diffusers import PictorAttn
+from pictor_diffusers.testing.models import (
+    KLEIN_4B_CONFIG,
+    TINY_CONFIG,
+    build_transformer,
+    set_stock_processors,
+    transformer_inputs,
+)
+from pictor_diffusers.testing.references import attention_flops
 
 MODEL_CONFIGS = {
     "klein-4B": KLEIN_4B_CONFIG,

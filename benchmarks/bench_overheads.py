@@ -5,7 +5,10 @@
   and the bf16 path (the sm_90a wgmma cubin on Hopper);
 * warm: the same in a new process whose cache holds the compiled kernels;
 * per call: host time of `attention()` at a small N, launched back to back
-  without synchronising, against the kernel's own CUDA-event time.
+  without synchronising, against the kernel's own CUDA-event time (graph replay);
+* per prologue call: host time of `pack_head_major` (the fused QK-norm / RoPE /
+  head-major launch PictorAttn makes before each attention) on FLUX.2-like
+  projections, text and image segments, with RoPE.
 
     python benchmarks/bench_overheads.py --json benchmarks/results/h200_overheads.json
 """
@@ -49,17 +52,7 @@ def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, flo
     from pictor_diffusers import attention
 
     q = torch.randn(1, 2, 64, 128, device="cuda").to(dtype)
-    for _ in range(10):
-        attention(q, q, q)
-    torch.cuda.synchronize()
-    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start = time.perf_counter()
-    start_event.record()
-    for _ in range(calls):
-        attention(q, q, q)
-    host = (time.perf_counter() - start) / calls * 1e6
-    end_event.record()
-    end_event.synchronize()
+    host = host_us_per_call(lambda: attention(q, q, q), calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attention(q, q, q)
@@ -74,6 +67,32 @@ def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, flo
     return host, replay_start.elapsed_time(replay_end) / 100 * 1e3
 
 
+def host_us_per_call(run: object, calls: int = 2000) -> float:
+    """Host µs per call of `run()`, launched back to back without synchronising, after a warm-up."""
+    for _ in range(20):
+        run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def per_call_prologue_overhead(precision_dtype: torch.dtype) -> float:
+    """Host µs per `pack_head_major` call: bf16 projections of 8 text + 56 image tokens, 2 heads of 128."""
+    from pictor_diffusers.prologue import Segment, pack_head_major
+
+    heads, head_dim = 2, 128
+    norms = [torch.nn.RMSNorm(head_dim, eps=1e-6).cuda() for _ in range(4)]
+    fused = [torch.randn(1, n, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16) for n in (8, 56)]
+    segments = [Segment(*x.chunk(3, dim=-1), *norms[2 * i : 2 * i + 2]) for i, x in enumerate(fused)]
+    rope = tuple(torch.randn(64, head_dim, device="cuda") for _ in range(2))
+    with torch.no_grad():
+        return host_us_per_call(lambda: pack_head_major(segments, head_dim, rope, precision_dtype))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -84,6 +103,7 @@ def main() -> None:
             cold = first_call_seconds(cache, dtype)
             warm = first_call_seconds(cache, dtype)
         host_us, kernel_us = per_call_overhead(dtype)
+        prologue_us = per_call_prologue_overhead(dtype)
         records.append(
             {
                 "suite": "overheads",
@@ -93,6 +113,7 @@ def main() -> None:
                 "first_call_warm_cache_s": warm,
                 "host_us_per_call": host_us,
                 "kernel_us_per_call_graph_replay": kernel_us,
+                "prologue_host_us_per_call": prologue_us,
             }
         )
     print(json.dumps(records, indent=1))

@@ -3,7 +3,8 @@
 # Usage on the H200 machine (from the repo root): bash benchmarks/run_h200.sh ["<bench shapes>"]
 # Env: PYTEST_TARGETS (default tests), MODELS (default klein-4B,klein-9B,dev), SIZES (default 1024; 2048 adds
 # 16896-token rows), BENCH_ROWS (bench_kernel --rows; default all rows), PART (test | bench | all, default all:
-# "test" = pytest, sanitizers, ncu; "bench" = benchmarks and the tiny generation, for two calls under 10 min).
+# "test" = pytest, sanitizers, ncu, overheads; "bench" = benchmarks and the tiny generation, for two calls under
+# 10 min), AB_BASELINE (a checkout of an earlier commit: its overheads, and an interleaved A/B of every kernel row).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,7 +30,7 @@ stamp sanitizers done
 NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section WarpStateStats"
 NCU_GREP="joint_attention|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Stall|Warp Cycles Per Issued"
 ncu --clock-control none -k regex:joint_attention -c 2 $NCU_SECTIONS \
-  python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels auto,f32 > "$OUT/ncu.log" 2>&1
+  python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels tf32x3,f32 > "$OUT/ncu.log" 2>&1
 grep -E "$NCU_GREP" "$OUT/ncu.log"
 ncu --clock-control none -k regex:joint_attention_wgmma -c 1 $NCU_SECTIONS --section ComputeWorkloadAnalysis \
   python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels wgmma --dtype bf16 > "$OUT/ncu_wgmma.log" 2>&1
@@ -40,10 +41,18 @@ grep -E "$NCU_GREP" "$OUT/ncu_mma16.log"
 stamp ncu done
 
 python3 benchmarks/bench_overheads.py --json "$OUT/overheads_h200.json" | grep -E "dtype|_s\"|_us"
+if [ -n "${AB_BASELINE:-}" ]; then
+  echo "baseline ($AB_BASELINE) overheads:"
+  (cd "$AB_BASELINE" && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_overheads.py) | grep -E "dtype|_s\"|_us"
+fi
 stamp overheads done
 fi
 [ "$PART" = test ] && exit 0
 
+if [ -n "${AB_BASELINE:-}" ]; then
+  python3 benchmarks/bench_ab.py --baseline "$AB_BASELINE" --json "$OUT/ab_h200.json"
+  stamp bench_ab done
+fi
 python3 benchmarks/bench_kernel.py ${1:+--shapes "$1"} ${BENCH_ROWS:+--rows "$BENCH_ROWS"} --json "$OUT/kernel_h200.json"
 stamp bench_kernel done
 

@@ -15,33 +15,21 @@ run on this device is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from flux2_models import TINY_CONFIG, build_transformer, transformer_inputs
-from gpu_reference import attention_float64, random_qkv
-
 from pictor_diffusers import PictorAttn, attention
+from pictor_diffusers.launch import cannot_run
+from pictor_diffusers.registry import kernels_for
+from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
+from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 CASES = [(1, 2, 77, 128), (2, 1, 45, 64), (1, 2, 130, 96), (1, 1, 70, 200), (1, 1, 33, 384), (1, 1, 1, 32)]
 CASES_16BIT = [(1, 2, 77, 128), (2, 3, 300, 128), (1, 2, 77, 64)]
-F32_KERNELS = ("auto", "f32")
-HALF_KERNELS = ("wgmma", "mma16")
+F32_KERNELS = kernels_for("float32")[1:]
+HALF_KERNELS = kernels_for("bfloat16")[1:]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TINY_D128 = {**TINY_CONFIG, "attention_head_dim": 128, "num_attention_heads": 2, "axes_dims_rope": (32, 32, 32, 32)}
-
-
-def blocker(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    if kernel == "wgmma":
-        from pictor_diffusers.hopper_launch import wgmma_blocker
-
-        return wgmma_blocker(q, k, v)
-    from pictor_diffusers.cuda_launch import mma16_blocker
-
-    return mma16_blocker(q, k, v)
 
 
 def run_f32(shape: tuple[int, ...], kernels: list[str]) -> bool:
@@ -49,6 +37,10 @@ def run_f32(shape: tuple[int, ...], kernels: list[str]) -> bool:
     ref = attention_float64(q, k, v)
     ok = True
     for kernel in kernels:
+        reason = cannot_run(kernel, q, k, v)
+        if reason is not None:
+            print(f"{shape} kernel={kernel}: skipped ({reason})")
+            continue
         err = (attention(q, k, v, kernel=kernel).double() - ref).abs().max().item()
         print(f"{shape} kernel={kernel}: max_abs {err:.2e}")
         ok &= err <= 1e-5
@@ -61,7 +53,7 @@ def run_16bit(shape: tuple[int, ...], kernels: list[str], dtypes: list[torch.dty
         q, k, v = (t.to(dtype) for t in random_qkv(*shape, seed=sum(shape)))
         ref = attention_float64(q, k, v)
         for kernel in kernels:
-            reason = blocker(kernel, q, k, v)
+            reason = cannot_run(kernel, q, k, v)
             if reason is not None:
                 print(f"{shape} kernel={kernel} {dtype}: skipped ({reason})")
                 continue

@@ -1,24 +1,22 @@
-"""NVRTC compilation without a GPU: PTX for inspection, cubins for sm_90a.
+"""NVRTC compilation, with or without a GPU: PTX for inspection, cubins to run.
 
-* `compile_ptx`: used by the compile tests (every variant, on a CPU-only
-  machine). Most launches go through `cuda_launch`, where CuPy compiles for
-  the device at hand.
-* `compile_cubin` / `cached_cubin`: kernels that need an arch-specific target
-  (wgmma and setmaxnreg need sm_90a, which `cupy.RawModule(code=...)` cannot
-  ask for) are compiled here to a cubin and cached on disk, keyed by source,
-  options and NVRTC version; CuPy then loads the file.
+* `compile_ptx`: the compile tests inspect every variant on a CPU-only machine.
+* `compile_cubin` / `cached_cubin`: every kernel runs from a cubin compiled for
+  the device's exact arch (`sm_90a` for the wgmma kernel, which needs
+  arch-specific instructions), cached on disk by `cubin_cache`, keyed by the
+  source, the shared header, the options, the arch and the NVRTC version.
+
+The shared header `kernels/common.cuh` reaches NVRTC in memory, so no include
+path is needed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 from pathlib import Path
 
-from .kernel_sources import KernelVariant, read_source
-
-CACHE_ENV = "PICTOR_CACHE_DIR"
+from .cubin_cache import cached_binary
+from .registry import Variant
+from .sources import HEADERS, header_texts, read_source
 
 
 def load_nvrtc_library() -> None:
@@ -46,11 +44,12 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(nvrtc.getVersion())
 
 
-def _compile(variant: KernelVariant, target: str, cubin: bool) -> bytes:
+def _compile(variant: Variant, target: str, cubin: bool) -> bytes:
     load_nvrtc_library()
     from cupy_backends.cuda.libs import nvrtc
 
-    program = nvrtc.createProgram(read_source(variant), variant.source, [], [])
+    source = variant.spec.source
+    program = nvrtc.createProgram(read_source(source), source, list(header_texts()), list(HEADERS))
     try:
         try:
             nvrtc.compileProgram(program, [f"--gpu-architecture={target}", *variant.options()])
@@ -63,12 +62,12 @@ def _compile(variant: KernelVariant, target: str, cubin: bool) -> bytes:
         nvrtc.destroyProgram(program)
 
 
-def compile_ptx(variant: KernelVariant, arch: str) -> str:
+def compile_ptx(variant: Variant, arch: str) -> str:
     """Compile `variant` to PTX for `arch` (e.g. "sm_90", "sm_90a"); raises with the NVRTC log."""
     return _compile(variant, f"compute_{arch.removeprefix('sm_')}", cubin=False).decode().rstrip("\0")
 
 
-def compile_cubin(variant: KernelVariant, arch: str) -> bytes:
+def compile_cubin(variant: Variant, arch: str) -> bytes:
     """Compile `variant` to a cubin for exactly `arch` (e.g. "sm_90a"); raises with the NVRTC log."""
     return _restore_elf_tail(_compile(variant, arch, cubin=True))
 
@@ -92,62 +91,15 @@ def _restore_elf_tail(cubin: bytes) -> bytes:
     return cubin + b"\0" * missing
 
 
-def cache_dir() -> Path:
-    """Where cubins are cached: $PICTOR_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache, /pictor-diffusers."""
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pictor-diffusers"
+def _is_cubin(data: bytes) -> bool:
+    return data[:5] == b"\x7fELF\x02"
 
 
-def _cache_dirs() -> tuple[Path, Path]:
-    """The cache, then a per-user temporary folder for machines whose cache is read-only."""
-    user = os.getuid() if hasattr(os, "getuid") else os.getpid()
-    return cache_dir(), Path(tempfile.gettempdir()) / f"pictor-diffusers-{user}"
-
-
-def _is_cubin(path: Path) -> bool:
-    try:
-        with path.open("rb") as handle:
-            return handle.read(5) == b"\x7fELF\x02"
-    except OSError:
-        return False
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file and a rename, readable by others, never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False)
-    try:
-        with handle:
-            handle.write(data)
-        os.chmod(handle.name, 0o644)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-
-
-def cached_cubin(variant: KernelVariant, arch: str) -> Path:
+def cached_cubin(variant: Variant, arch: str) -> Path:
     """Path of `variant`'s cubin for `arch`, compiled on a cache miss.
 
-    The file name hashes the source text, the options, the arch and the NVRTC
-    version, so an edited kernel or a new toolkit never reuses a stale binary.
-    Writes are atomic, safe across processes; a cache folder that cannot be
-    written falls back to a per-user temporary folder.
+    The key covers the source, the shared header, the options, the arch and the
+    NVRTC version, so an edited kernel or a new toolkit never reuses a stale binary.
     """
-    key = "\0".join((read_source(variant), *variant.options(), arch, repr(nvrtc_version())))
-    name = f"{variant.name}-{arch}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.cubin"
-    folders = _cache_dirs()
-    for folder in folders:
-        if _is_cubin(folder / name):
-            return folder / name
-    cubin = compile_cubin(variant, arch)
-    errors = []
-    for folder in folders:
-        try:
-            _write_atomic(folder / name, cubin)
-            return folder / name
-        except OSError as error:
-            errors.append(f"{folder}: {error}")
-    raise RuntimeError(f"cannot cache the {variant.name} cubin ({'; '.join(errors)}); set {CACHE_ENV}")
+    parts = (read_source(variant.spec.source), *header_texts(), *variant.options(), arch, repr(nvrtc_version()))
+    return cached_binary(f"{variant.name}-{arch}", "\0".join(parts), lambda: compile_cubin(variant, arch), _is_cubin)

@@ -1,70 +1,40 @@
-"""The public attention entry point, registered as a torch custom op.
+"""The public attention entry point and its torch custom op.
 
-`torch.ops.pictor.attention` is opaque to `torch.compile` (it has a fake
-implementation for tracing), so compiled FLUX.2 graphs keep it as one node with
-no graph break; its CUDA implementation is capturable in CUDA graphs.
+`attention()` validates once and runs the kernel directly in eager mode, the
+fast path for host overhead. Under `torch.compile`, or when autograd would
+record the call, it goes through `torch.ops.pictor.attention`, which is opaque
+to the compiler (it has a fake implementation for tracing), so compiled
+FLUX.2 graphs keep it as one node with no graph break, and whose backward
+raises "inference-only". Both run the same implementation, which is
+capturable in CUDA graphs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .launch import attention_cuda
 from .reference import online_softmax_attention
 from .validation import check_attention_inputs, check_kernel_choice, check_scale
 
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _attention_f32_cuda(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, dtype: torch.dtype
+def _attention_impl(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    from . import cuda_launch
-
-    blocker = cuda_launch.tensor_core_blocker(query, key, value)
-    if kernel == "tf32x3" and blocker is not None:
-        raise ValueError(f"kernel='tf32x3' cannot run these inputs: {blocker}")
-    if kernel == "f32" or blocker is not None:
-        return cuda_launch.flash_attention_f32_cuda(query, key, value, scale).to(dtype)
-    return cuda_launch.flash_attention_tf32x3_cuda(query, key, value, scale, out_dtype=dtype)
-
-
-def _attention_half_cuda(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str
-) -> torch.Tensor:
-    """The 16-bit path: wgmma on Hopper, mma16 elsewhere, the f32 kernels on upcast inputs last."""
-    from . import cuda_launch, hopper_launch
-
-    launchers = {
-        "wgmma": (hopper_launch.wgmma_blocker, hopper_launch.flash_attention_wgmma_cuda),
-        "mma16": (cuda_launch.mma16_blocker, cuda_launch.flash_attention_mma16_cuda),
-    }
-    reasons = []
-    for name in ("wgmma", "mma16") if kernel == "auto" else (kernel,):
-        blocker, launch = launchers[name]
-        reason = blocker(query, key, value)
-        if reason is None:
-            return launch(query, key, value, scale)
-        reasons.append(f"{name}: {reason}")
-    if kernel != "auto":
-        raise ValueError(f"kernel={kernel!r} cannot run these inputs: {'; '.join(reasons)}")
+    """Validated inputs -> token-major `[B, N, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
+    if query.device.type == "cuda":
+        return attention_cuda(query, key, value, scale, kernel, out_dtype)
     upcast = tuple(t.float() for t in (query, key, value))
-    return _attention_f32_cuda(*upcast, scale, "auto", query.dtype)
+    return online_softmax_attention(*upcast, scale).to(out_dtype)
 
 
 @torch.library.custom_op("pictor::attention", mutates_args=())
 def _attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
 ) -> torch.Tensor:
-    check_attention_inputs(query, key, value)
-    check_scale(scale)
-    dtype = OUT_DTYPES[out_dtype]
-    check_kernel_choice(kernel, query.dtype, dtype)
-    if query.device.type != "cuda":
-        upcast = tuple(t.float() for t in (query, key, value))
-        return online_softmax_attention(*upcast, scale).to(dtype)
-    if query.dtype == torch.float32:
-        return _attention_f32_cuda(query, key, value, scale, kernel, dtype)
-    return _attention_half_cuda(query, key, value, scale, kernel)
+    return _attention_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
 
 
 @_attention_op.register_fake
@@ -80,6 +50,13 @@ def _no_backward(ctx: object, grad: torch.Tensor) -> None:
 
 
 _attention_op.register_autograd(_no_backward)
+
+
+def needs_op(*tensors: torch.Tensor) -> bool:
+    """Whether a call must go through the custom op: while compiling, or when autograd records it."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def attention(
@@ -99,10 +76,11 @@ def attention(
         scale: logit scale, finite and > 0; defaults to `D ** -0.5`.
         out_dtype: float32 inputs: float32 (default), bfloat16 or float16, the
             f32 result rounded once. 16-bit inputs: None or the input dtype.
-        kernel: float32 inputs (the parity path): "auto" (3xTF32 tensor cores
-            where possible), "tf32x3" or "f32" (the scalar-FP32 reference).
-            bfloat16 / float16 inputs (the fast path): "auto", "wgmma" (Hopper)
-            or "mma16" (sm_80+).
+        kernel: "auto", or a kernel of the inputs' family in the registry
+            (`pictor_diffusers.registry.KERNELS`). float32 inputs (the parity
+            path): "tf32x3" (3xTF32 tensor cores) or "f32" (the scalar-FP32
+            reference). bfloat16 / float16 inputs (the fast path): "wgmma"
+            (Hopper) or "mma16" (sm_80+).
 
     Returns:
         token-major `[B, N, H*D]` on the inputs' device:
@@ -112,16 +90,18 @@ def attention(
     1e-6 against float64 on N(0, 1) inputs). The fast path multiplies the
     16-bit inputs on tensor cores with f32 accumulation and an f32 softmax,
     rounds the probabilities to the input dtype for P.V as FlashAttention
-    does, and rounds the output once. On CUDA "auto" picks wgmma on Hopper
-    with D = 128, mma16 on sm_80+ with D in {64, 128}, and otherwise runs the
-    f32 kernels on upcast inputs. On CPU both paths run the same
-    online-softmax algorithm in float32 torch (`pictor_diffusers.reference`).
+    does, and rounds the output once. On CUDA "auto" takes the first kernel of
+    the family that can run the inputs (`registry.select_kernel`); 16-bit
+    inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
+    both paths run the same online-softmax algorithm in float32 torch
+    (`pictor_diffusers.reference`).
     """
     check_attention_inputs(query, key, value)
     if out_dtype is None:
         out_dtype = query.dtype
     check_kernel_choice(kernel, query.dtype, out_dtype)
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    check_scale(float(scale))
-    return torch.ops.pictor.attention(query, key, value, float(scale), kernel, str(out_dtype).removeprefix("torch."))
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    check_scale(scale)
+    if needs_op(query, key, value):
+        return torch.ops.pictor.attention(query, key, value, scale, kernel, str(out_dtype).removeprefix("torch."))
+    return _attention_impl(query, key, value, scale, kernel, out_dtype)

@@ -37,7 +37,8 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux
 
 from .ops import attention
 from .prologue import Rope, Segment, pack_head_major
-from .validation import F32_KERNELS, HALF_KERNELS, OUT_DTYPE_CHOICES
+from .registry import kernels_for
+from .validation import OUT_DTYPE_CHOICES
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
 _DOUBLE_STREAM_ARGS = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
@@ -62,10 +63,24 @@ def _reject_mask(attention_mask: torch.Tensor | None) -> None:
         )
 
 
+def _reject_parallel_config(config: Any) -> None:
+    """Context parallelism shards the sequence across ranks; attending within the local shard
+    would be silently wrong, so any parallel config on the processor is refused."""
+    if config is None:
+        return
+    context = getattr(config, "context_parallel_config", None)
+    degrees = ", ".join(f"{name}={getattr(context, name, '?')}" for name in ("ulysses_degree", "ring_degree"))
+    raise NotImplementedError(
+        f"PictorAttn does not serve diffusers context parallelism yet (enable_parallelism set {degrees}): "
+        "each rank would attend only to its own shard of the sequence. Run context-parallel models with "
+        "diffusers' own processors."
+    )
+
+
 def _check_precision(precision: str, kernel: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    allowed = {"fp32": F32_KERNELS, "auto": ("auto",)}.get(precision, HALF_KERNELS)
+    allowed = {"fp32": kernels_for("float32"), "auto": ("auto",)}.get(precision, kernels_for("bfloat16"))
     if kernel not in allowed:
         raise ValueError(f"kernel={kernel!r} does not serve precision={precision!r}; choose one of {allowed}")
 
@@ -114,12 +129,11 @@ class PictorAttn:
         image_rotary_emb: Rope | None = None,
         kv_cache: Any = None,
         kv_cache_mode: str | None = None,
-        num_txt_tokens: int = 0,
-        num_ref_tokens: int = 0,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if kwargs:
             raise TypeError(f"PictorAttn does not understand the attention kwargs {sorted(kwargs)}")
+        _reject_parallel_config(self._parallel_config)
         if kv_cache_mode is not None or kv_cache is not None:
             raise NotImplementedError(
                 f"PictorAttn does not serve FLUX.2 reference-image KV caching (kv_cache_mode={kv_cache_mode!r}); "

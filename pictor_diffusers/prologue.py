@@ -16,6 +16,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .launch import qkv_prologue_cuda
+from .ops import needs_op
+from .validation import prologue_layout_problem
+
 Rope = tuple[torch.Tensor, torch.Tensor]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +84,19 @@ def pack_head_major_torch(
     return tuple(t.transpose(1, 2).contiguous() for t in (query, key, value))
 
 
+def _prologue_impl(
+    projections: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    rope: list[torch.Tensor],
+    eps: list[float],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused kernel where the layout allows it, else the torch twin."""
+    if projections[3].device.type == "cuda" and prologue_layout_problem(projections, weights, rope, eps) is None:
+        return qkv_prologue_cuda(projections, weights, rope, eps, dtype)
+    return tuple(t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
+
+
 @torch.library.custom_op("pictor::qkv_prologue", mutates_args=())
 def _prologue_op(
     projections: list[torch.Tensor],
@@ -88,13 +105,7 @@ def _prologue_op(
     eps: list[float],
     out_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dtype = _DTYPES[out_dtype]
-    if projections[3].device.type == "cuda":
-        from . import cuda_launch
-
-        if cuda_launch.prologue_blocker(projections, weights, rope, eps) is None:
-            return cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps, dtype)
-    return tuple(t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
+    return _prologue_impl(projections, weights, rope, eps, _DTYPES[out_dtype])
 
 
 @_prologue_op.register_fake
@@ -141,10 +152,8 @@ def pack_head_major(
     norms = (text.norm_q, text.norm_k, image.norm_q, image.norm_k)
     params = [norm_params(norm, head_dim, image.query) for norm in norms]
     rope_list = [t.to(device=image.query.device, dtype=torch.float32).contiguous() for t in rope] if rope else []
-    return torch.ops.pictor.qkv_prologue(
-        [*text[:3], *image[:3]],
-        [w for w, _ in params],
-        rope_list,
-        [e for _, e in params],
-        str(dtype).removeprefix("torch."),
-    )
+    projections = [*text[:3], *image[:3]]
+    weights, eps = [w for w, _ in params], [e for _, e in params]
+    if needs_op(*projections):
+        return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, str(dtype).removeprefix("torch."))
+    return _prologue_impl(projections, weights, rope_list, eps, dtype)

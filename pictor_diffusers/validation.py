@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .kernel_sources import MAX_HEAD_DIM
+from .registry import KERNEL_CHOICES, MAX_HEAD_DIM, kernels_for
 
 _MAX_GRID_YZ = 65535
 
@@ -19,6 +19,8 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
     contiguous, B, H, N >= 1, 1 <= D <= 384, and B, H <= 65535 (the kernels'
     grid limits).
     """
+    if _plainly_valid(query, key, value):
+        return
     tensors = {"query": query, "key": key, "value": value}
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
@@ -46,6 +48,25 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
     _check_extents(*query.shape)
 
 
+def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """The common case in few operations (the host cost of every call); False sends the
+    inputs through the detailed checks, which name what is wrong."""
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+        return False
+    dtype, shape = query.dtype, query.shape
+    if dtype not in _DTYPE_NAMES or key.dtype != dtype or value.dtype != dtype or len(shape) != 4:
+        return False
+    if key.shape != shape or value.shape != shape:
+        return False
+    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
+        return False
+    device = query.device
+    if device.type not in ("cpu", "cuda") or key.device != device or value.device != device:
+        return False
+    batch, heads, seq, head_dim = shape
+    return 1 <= min(batch, heads, seq) and max(batch, heads) <= _MAX_GRID_YZ and 1 <= head_dim <= MAX_HEAD_DIM
+
+
 def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
     if min(batch, heads, seq) < 1:
         raise ValueError(f"batch, heads and seq must be >= 1, got B={batch}, H={heads}, N={seq}")
@@ -56,27 +77,28 @@ def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
 
 
 OUT_DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
-F32_KERNELS = ("auto", "tf32x3", "f32")
-HALF_KERNELS = ("auto", "wgmma", "mma16")
-KERNEL_CHOICES = ("auto", "tf32x3", "f32", "wgmma", "mma16")
-
-
-def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernel names that take inputs of `dtype`: the f32 family or the 16-bit one."""
-    return F32_KERNELS if dtype == torch.float32 else HALF_KERNELS
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_VALID_CHOICES = {
+    (kernel, in_dtype, out_dtype)
+    for in_dtype, name in _DTYPE_NAMES.items()
+    for kernel in kernels_for(name)
+    for out_dtype in (OUT_DTYPE_CHOICES if in_dtype == torch.float32 else (in_dtype,))
+}
 
 
 def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
     """Raise ValueError unless `kernel` takes `in_dtype` inputs and can write `out_dtype`.
 
-    f32 inputs: kernel "auto" / "tf32x3" / "f32", any of the three out dtypes.
-    bf16/fp16 inputs: kernel "auto" / "wgmma" / "mma16", out dtype = input dtype.
+    f32 inputs: "auto" or an fp32-family kernel of the registry, any of the three out dtypes.
+    bf16/fp16 inputs: "auto" or a 16-bit-family kernel, out dtype = input dtype.
     """
+    if (kernel, in_dtype, out_dtype) in _VALID_CHOICES:
+        return
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if out_dtype not in OUT_DTYPE_CHOICES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPE_CHOICES}, got {out_dtype}")
-    family = kernels_for(in_dtype)
+    family = kernels_for(_DTYPE_NAMES[in_dtype])
     if kernel not in family:
         raise ValueError(f"kernel={kernel!r} does not take {in_dtype} inputs; choose one of {family}")
     if in_dtype != torch.float32 and out_dtype != in_dtype:
@@ -93,3 +115,97 @@ def check_scale(scale: float) -> None:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     if not _F32_TINY <= scale / math.log(2.0) <= _F32_MAX:
         raise ValueError(f"scale={scale} is outside float32's normal range once multiplied by log2(e)")
+
+
+_PROLOGUE_DTYPES = _DTYPE_NAMES
+
+
+def prologue_layout_problem(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> str | None:
+    """Why `qkv_prologue` cannot take this layout (the caller then runs torch), or None.
+
+    The kernel reads 4-element vectors, so every row and batch stride must be a
+    multiple of 4 elements and every base 4-element aligned; q/k/v of a segment
+    share strides; all projections share one dtype; text and image norms share eps.
+    """
+    if _prologue_layout_plain(projections, weights, rope, eps):
+        return None
+    shape_problem = _prologue_shape_problem(projections, weights, rope)
+    if shape_problem is not None:
+        return shape_problem
+    head_dim = weights[0].shape[0]
+    dtype = projections[0].dtype
+    if dtype not in _PROLOGUE_DTYPES or any(p.dtype != dtype for p in projections):
+        return f"projection dtypes {sorted({str(p.dtype) for p in projections})} are not one of f32/bf16/f16"
+    if head_dim % 4 or head_dim > 128:
+        return f"head_dim={head_dim} is not a multiple of 4 up to 128"
+    if eps[0] != eps[2] or eps[1] != eps[3]:
+        return f"text and image QK norms use different eps {eps}"
+    vector_bytes = 4 * projections[0].element_size()
+    for segment in (projections[:3], projections[3:]):
+        if any(p.stride() != segment[0].stride() for p in segment) or segment[0].stride(-1) != 1:
+            return "q, k, v projections of a segment have different or non-unit last strides"
+        if any(s % 4 for s in segment[0].stride()[:2]) or any(p.data_ptr() % vector_bytes for p in segment):
+            return "projection rows are not 4-element aligned"
+    if any(t.data_ptr() % 16 for t in (*weights, *rope)):
+        return "norm weights or rope tables are not 16-byte aligned"
+    return None
+
+
+def _prologue_layout_plain(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
+) -> bool:
+    """The layout FLUX.2's processors produce, accepted in few operations; False sends the
+    call through the detailed checks, which say what is off."""
+    image, text = projections[3], projections[0]
+    device, dtype, (batch, _, width) = image.get_device(), image.dtype, image.shape
+    head_dim = weights[0].shape[0]
+    if dtype not in _PROLOGUE_DTYPES or head_dim % 4 or head_dim > 128 or width % head_dim:
+        return False
+    if eps[0] != eps[2] or eps[1] != eps[3] or text.shape[0] != batch or text.shape[2] != width:
+        return False
+    vector = 4 * image.element_size()
+    for segment in (projections[:3], projections[3:]):
+        shape, stride = segment[0].shape, segment[0].stride()
+        if stride[2] != 1 or stride[0] % 4 or stride[1] % 4:
+            return False
+        for p in segment:
+            if p.dtype != dtype or p.shape != shape or p.stride() != stride or p.data_ptr() % vector:
+                return False
+            if p.get_device() != device:
+                return False
+    seq = text.shape[1] + image.shape[1]
+    tables = ((weights, (head_dim,)), (rope, (seq, head_dim)))
+    for tensors, shape in tables:
+        for t in tensors:
+            if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous() or t.data_ptr() % 16:
+                return False
+            if t.get_device() != device:
+                return False
+    return len(rope) in (0, 2)
+
+
+def _prologue_shape_problem(
+    projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor]
+) -> str | None:
+    """Shapes, devices and dtypes the kernel relies on without checking them itself."""
+    device = projections[3].device
+    if any(t.device != device for t in (*projections, *weights, *rope)):
+        return "projections, norm weights and rope tables are not all on one device"
+    head_dim = weights[0].shape[0] if weights[0].dim() == 1 else 0
+    if any(w.shape != (head_dim,) or w.dtype != torch.float32 or not w.is_contiguous() for w in weights):
+        return f"norm weights must be contiguous float32 [{head_dim}]"
+    if any(p.dim() != 3 for p in projections):
+        return "projections must be [B, n, H*D]"
+    batch, width = projections[3].shape[0], projections[3].shape[2]
+    if head_dim == 0 or width % head_dim or any(p.shape[0] != batch or p.shape[2] != width for p in projections):
+        return f"projections differ in batch or width, or width is not a multiple of head_dim={head_dim}"
+    if any(p.shape[1] != seg[0].shape[1] for seg in (projections[:3], projections[3:]) for p in seg):
+        return "q, k and v of a segment differ in token count"
+    seq = projections[0].shape[1] + projections[3].shape[1]
+    if rope and (len(rope) != 2 or any(r.shape != (seq, head_dim) or r.dtype != torch.float32 for r in rope)):
+        return f"rope tables must be two float32 [{seq}, {head_dim}] tensors"
+    if rope and not all(r.is_contiguous() for r in rope):
+        return "rope tables are not contiguous"
+    return None

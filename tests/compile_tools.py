@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pictor_diffusers.kernel_sources import KernelVariant
+from pictor_diffusers.registry import Variant
 
 
 def _cupy_importable() -> bool:
@@ -28,7 +28,7 @@ needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (C
 
 
 @functools.cache
-def ptx_for(variant: KernelVariant, arch: str) -> str:
+def ptx_for(variant: Variant, arch: str) -> str:
     from pictor_diffusers.nvrtc import compile_ptx
 
     return compile_ptx(variant, arch)

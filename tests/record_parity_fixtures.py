@@ -28,7 +28,8 @@ from pathlib import Path
 import diffusers
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
-from flux2_models import TINY_CONFIG, build_transformer, transformer_inputs
+
+from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
 
 FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures"
 SEED = 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_reference import attention_float64, random_qkv
 
 from pictor_diffusers import attention
+from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -41,13 +41,13 @@ TF32X3_CASES = [(1, 3, 77, 32), (2, 5, 300, 96), (1, 4, 129, 64)]
 
 def _run_kernel(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """One launch of `kernel` ("f32" or "tf32x3") into a NaN-poisoned float32 output."""
-    from pictor_diffusers import cuda_launch
+    from pictor_diffusers.launch import attention_cuda
 
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
-    if kernel == "f32":
-        return cuda_launch.flash_attention_f32_cuda(query, key, value, head_dim**-0.5, out=out)
-    return cuda_launch.flash_attention_tf32x3_cuda(query, key, value, head_dim**-0.5, out=out)
+    result = attention_cuda(query, key, value, head_dim**-0.5, kernel, torch.float32, out=out)
+    assert result.data_ptr() == out.data_ptr(), "the kernel did not write the given output"
+    return result
 
 
 def _shape_id(shape: tuple[int, int, int, int]) -> str:
@@ -99,11 +99,11 @@ def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_tf32x3_rounds_once_into_16bit(out_dtype: torch.dtype) -> None:
-    from pictor_diffusers import cuda_launch
+    from pictor_diffusers.launch import attention_cuda
 
     query, key, value = random_qkv(2, 6, 1000, 128, seed=13)
     out = torch.full((2, 1000, 768), float("nan"), device="cuda", dtype=out_dtype)
-    cuda_launch.flash_attention_tf32x3_cuda(query, key, value, 128**-0.5, out_dtype=out_dtype, out=out)
+    attention_cuda(query, key, value, 128**-0.5, "tf32x3", out_dtype, out=out)
     expected = attention_float64(query, key, value).to(out_dtype)
     assert not out.isnan().any()
     one_ulp = expected.float().abs() * torch.finfo(out_dtype).eps + 1e-7

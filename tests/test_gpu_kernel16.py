@@ -10,24 +10,24 @@ A kernel that cannot run on this device (its blocker says why) is skipped.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import re
-from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_reference import attention_float64, random_qkv
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pictor_diffusers import attention, kernel_sources
+from pictor_diffusers import attention
+from pictor_diffusers.launch import attention_cuda, cannot_run
+from pictor_diffusers.registry import BY_NAME
+from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
 
 # metric -> (factor on SDPA-16-bit's own error, absolute floor)
 TOLERANCE = {"rel_l2": (1.5, 1e-5), "max_abs": (2.0, 1e-5)}
 
-KERNEL_HEAD_DIMS = {"wgmma": kernel_sources.WGMMA_HEAD_DIMS, "mma16": kernel_sources.MMA16_HEAD_DIMS}
+KERNEL_HEAD_DIMS = {name: BY_NAME[name].head_dims for name in ("wgmma", "mma16")}
 DTYPES = [torch.bfloat16, torch.float16]
 
 # (B, H, N, D): FLUX.2 at 512²/1024² with 24 and 48 heads; odd N, not multiples of the
@@ -56,14 +56,8 @@ def qkv16(shape: Shape, dtype: torch.dtype, seed: int, mult: float = 1.0) -> tup
     return tuple(t.to(dtype) for t in random_qkv(*shape, seed=seed, scale=mult))
 
 
-def kernel_api(kernel: str, what: str) -> Callable:
-    """`{kernel}_blocker` or `flash_attention_{kernel}_cuda`: wgmma's live in `hopper_launch`."""
-    module = importlib.import_module("pictor_diffusers." + ("hopper_launch" if kernel == "wgmma" else "cuda_launch"))
-    return getattr(module, f"{kernel}_blocker" if what == "blocker" else f"flash_attention_{kernel}_cuda")
-
-
 def blocker_or_skip(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    reason = kernel_api(kernel, "blocker")(query, key, value)
+    reason = cannot_run(kernel, query, key, value)
     if reason is not None:
         pytest.skip(f"{kernel} cannot run here: {reason}")
 
@@ -72,7 +66,7 @@ def launch(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """One direct launch of `kernel` into a NaN-poisoned `[B, N, H*D]` output of the inputs' dtype."""
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device=query.device, dtype=query.dtype)
-    result = kernel_api(kernel, "launch")(query, key, value, head_dim**-0.5, out=out)
+    result = attention_cuda(query, key, value, head_dim**-0.5, kernel, query.dtype, out=out)
     assert result.data_ptr() == out.data_ptr(), "the kernel did not write into the given out"
     return out
 
@@ -189,11 +183,14 @@ def test_cuda_graph_capture_and_replay(kernel: str) -> None:
         assert torch.equal(static_out, launch(kernel, *fresh)), f"replay with seed {seed} differs from eager"
 
 
-def expected_auto_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
-    """The spec's choice for kernel="auto" on 16-bit CUDA inputs."""
-    for kernel in ("wgmma", "mma16"):
-        if kernel_api(kernel, "blocker")(query, key, value) is None:
-            return kernel
+def expected_auto_kernel(query: torch.Tensor) -> str:
+    """What a user of this GPU gets for kernel="auto", written out by hand: Hopper runs wgmma at
+    head_dim 128, sm_80+ runs mma16 at head_dim 64 or 128, anything else the f32 kernels."""
+    capability, head_dim = torch.cuda.get_device_capability(query.device), query.shape[-1]
+    if capability == (9, 0) and head_dim == 128:
+        return "wgmma"
+    if capability >= (8, 0) and head_dim in (64, 128):
+        return "mma16"
     return "f32"
 
 
@@ -201,7 +198,7 @@ def expected_auto_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 @pytest.mark.parametrize("shape", [(1, 24, 1536, 128), (1, 4, 1000, 64), (1, 3, 77, 32)], ids=_id)
 def test_auto_picks_the_expected_kernel(shape: Shape, dtype: torch.dtype) -> None:
     query, key, value = qkv16(shape, dtype, seed=17)
-    expected = expected_auto_kernel(query, key, value)
+    expected = expected_auto_kernel(query)
     out = attention(query, key, value)
     assert out.dtype == dtype and out.shape == (shape[0], shape[2], shape[1] * shape[3])
     if expected == "f32":
@@ -216,7 +213,7 @@ def test_auto_picks_the_expected_kernel(shape: Shape, dtype: torch.dtype) -> Non
 def test_explicit_kernel_that_cannot_run_names_the_reason(kernel: str) -> None:
     """head_dim 32 has no 16-bit variant: asking for one by name raises the blocker's reason."""
     query, key, value = qkv16((1, 2, 77, 32), torch.bfloat16, seed=3)
-    reason = kernel_api(kernel, "blocker")(query, key, value)
+    reason = cannot_run(kernel, query, key, value)
     assert reason is not None, f"{kernel} claims it can run head_dim 32"
     with pytest.raises(ValueError, match=rf"{kernel}.*{re.escape(reason)}"):
         attention(query, key, value, kernel=kernel)
@@ -232,7 +229,7 @@ def test_misaligned_inputs_fall_back_to_the_f32_path(dtype: torch.dtype) -> None
     query, key, value = (storage[i * (numel + 1) + 1 : (i + 1) * (numel + 1)].view(shape) for i in range(3))
     assert query.is_contiguous() and query.data_ptr() % 16
     for kernel in KERNEL_HEAD_DIMS:
-        reason = kernel_api(kernel, "blocker")(query, key, value)
+        reason = cannot_run(kernel, query, key, value)
         assert reason is not None and "aligned" in reason, f"{kernel} accepts misaligned inputs: {reason}"
         with pytest.raises(ValueError, match=re.escape(reason)):
             attention(query, key, value, kernel=kernel)

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from gpu_reference import attention_float64, random_qkv
 
-from pictor_diffusers import attention, cuda_launch, hopper_launch
+from pictor_diffusers import attention, launch, runtime
+from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -44,22 +44,26 @@ def test_first_call_in_a_new_thread(dtype: torch.dtype) -> None:
 def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed sm_90a build disables wgmma with a warning; "auto" runs mma16, "wgmma" names the failure."""
     query, key, value = (t.to(torch.bfloat16) for t in random_qkv(*SHAPE, seed=4))
-    if cuda_launch.mma16_blocker(query, key, value) is not None:
+    if launch.cannot_run("mma16", query, key, value) is not None:
         pytest.skip("mma16 cannot run here")
+    working = runtime.function
 
-    def broken(*_args: object) -> None:
-        raise RuntimeError("NVRTC failed (simulated)")
+    def broken_wgmma(variant: object, device_index: int) -> int:
+        if variant.spec.name == "wgmma":
+            raise RuntimeError("NVRTC failed (simulated)")
+        return working(variant, device_index)
 
-    monkeypatch.setattr(hopper_launch, "_function", broken)
-    monkeypatch.setattr(hopper_launch, "_setup_problems", {})
-    capability = torch.cuda.get_device_capability()
-    hopper = capability == (9, 0)
+    monkeypatch.setattr(runtime, "function", broken_wgmma)
+    monkeypatch.setattr(launch, "_resolved", {})
+    monkeypatch.setattr(launch, "_disabled", {})
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     with pytest.warns(RuntimeWarning, match="could not be prepared") if hopper else contextlib.nullcontext():
         out = attention(query, key, value)
-    expected = cuda_launch.flash_attention_mma16_cuda(query, key, value, 128**-0.5)
+    expected = launch.attention_cuda(query, key, value, 128**-0.5, "mma16", torch.bfloat16)
     assert torch.equal(out, expected)
     if hopper:
-        with pytest.raises(ValueError, match=r"kernel='wgmma' cannot run these inputs: .*NVRTC failed \(simulated\)"):
+        monkeypatch.setattr(launch, "_disabled", {})
+        with pytest.raises(ValueError, match=r"kernel='wgmma' cannot run here: .*NVRTC failed \(simulated\)"):
             attention(query, key, value, kernel="wgmma")
 
 
@@ -69,7 +73,6 @@ def test_misaligned_out_is_refused(dtype: torch.dtype) -> None:
     batch, heads, seq, head_dim = SHAPE
     storage = torch.empty(batch * seq * heads * head_dim + 1, dtype=dtype, device="cuda")
     out = storage[1:].view(batch, seq, heads * head_dim)
-    f32 = dtype == torch.float32
-    launch = cuda_launch.flash_attention_tf32x3_cuda if f32 else cuda_launch.flash_attention_mma16_cuda
+    kernel = "tf32x3" if dtype == torch.float32 else "mma16"
     with pytest.raises(ValueError, match="out must be 16-byte aligned"):
-        launch(query, key, value, head_dim**-0.5, out=out)
+        launch.attention_cuda(query, key, value, head_dim**-0.5, kernel, dtype, out=out)

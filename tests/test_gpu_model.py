@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from flux2_models import KLEIN_4B_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import PictorAttn
+from pictor_diffusers.testing.models import KLEIN_4B_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flux2_models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pictor_diffusers import PictorAttn, cuda_launch
+from pictor_diffusers import PictorAttn, launch
+from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -33,17 +33,14 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def count_16bit_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count launches of the two 16-bit attention kernels from here on."""
-    from pictor_diffusers import hopper_launch
-
     calls = [0]
-    for module, name in ((hopper_launch, "flash_attention_wgmma_cuda"), (cuda_launch, "flash_attention_mma16_cuda")):
-        original = getattr(module, name)
+    original = launch.launch_attention
 
-        def counting(*args: object, _original=original, **kwargs: object) -> torch.Tensor:
-            calls[0] += 1
-            return _original(*args, **kwargs)
+    def counting(variant: object, *args: object) -> None:
+        calls[0] += variant.spec.family == "16bit"
+        original(variant, *args)
 
-        monkeypatch.setattr(module, name, counting)
+    monkeypatch.setattr(launch, "launch_attention", counting)
     return calls
 
 

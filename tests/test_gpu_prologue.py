@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pictor_diffusers import cuda_launch
+from pictor_diffusers.launch import qkv_prologue_cuda
 from pictor_diffusers.prologue import pack_head_major_torch
+from pictor_diffusers.validation import prologue_layout_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -66,9 +67,9 @@ def test_prologue_kernel_matches_torch(batch: int, dtype: torch.dtype, layout: s
     seq = projections[0].shape[1] + projections[3].shape[1]
     weights, eps = _weights(), [1e-6] * 4
     rope = _rope(seq) if with_rope else []
-    assert cuda_launch.prologue_blocker(projections, weights, rope, eps) is None
+    assert prologue_layout_problem(projections, weights, rope, eps) is None
     _poison_allocator(batch * HEADS * seq * HEAD_DIM)
-    fused = cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps)
+    fused = qkv_prologue_cuda(projections, weights, rope, eps)
     reference = pack_head_major_torch(projections, weights, rope, eps)
     for name, ours, ref in zip("qkv", fused, reference, strict=True):
         assert ours.shape == (batch, HEADS, seq, HEAD_DIM) and ours.is_contiguous()
@@ -83,7 +84,7 @@ def test_misaligned_layout_is_refused_and_the_op_falls_back_to_torch() -> None:
     shifted = list(storage[..., 1:].chunk(3, dim=-1))
     projections = [t[:, :10] for t in shifted] + [t[:, 10:] for t in shifted]
     weights, eps = _weights(), [1e-6] * 4
-    reason = cuda_launch.prologue_blocker(projections, weights, [], eps)
+    reason = prologue_layout_problem(projections, weights, [], eps)
     assert reason is not None and "aligned" in reason
     ours = torch.ops.pictor.qkv_prologue(projections, weights, [], eps)
     for got, ref in zip(ours, pack_head_major_torch(projections, weights, [], eps), strict=True):
@@ -101,9 +102,9 @@ def test_prologue_16bit_output_is_the_f32_result_rounded_once(
     seq = projections[0].shape[1] + projections[3].shape[1]
     weights, eps = _weights(), [1e-6] * 4
     rope = _rope(seq) if with_rope else []
-    assert cuda_launch.prologue_blocker(projections, weights, rope, eps) is None
+    assert prologue_layout_problem(projections, weights, rope, eps) is None
     _poison_allocator(2 * HEADS * seq * HEAD_DIM)
-    fused = cuda_launch.qkv_prologue_cuda(projections, weights, rope, eps, out_dtype)
+    fused = qkv_prologue_cuda(projections, weights, rope, eps, out_dtype)
     via_op = torch.ops.pictor.qkv_prologue(projections, weights, rope, eps, str(out_dtype).removeprefix("torch."))
     reference = pack_head_major_torch(projections, weights, rope, eps)
     for name, ours, op, ref in zip("qkv", fused, via_op, reference, strict=True):

@@ -25,7 +25,6 @@ import json
 
 import pytest
 import torch
-from flux2_models import TINY_CONFIG, transformer_inputs
 from record_parity_fixtures import (
     DTYPES,
     ROPE_KEYS,
@@ -38,6 +37,7 @@ from record_parity_fixtures import (
 )
 
 from pictor_diffusers import PictorAttn
+from pictor_diffusers.testing.models import TINY_CONFIG, transformer_inputs
 
 REL_L2_TOL = {"float32": 1e-5, "bfloat16": 2.0**-7}
 LAYERS = [f"transformer_blocks.{i}.attn" for i in range(TINY_CONFIG["num_layers"])] + [

@@ -22,10 +22,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention
-from flux2_models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 
 import pictor_diffusers.processor as processor_module
 from pictor_diffusers import PictorAttn
+from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 
 CONFIGS = {
     "double+single": TINY_CONFIG,

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import re
 import sys
+import types
+from collections.abc import Iterator
 
 import pytest
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
-from flux2_models import build_transformer, transformer_inputs
 
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.cuda_launch import import_cupy
+from pictor_diffusers.runtime import import_cupy
+from pictor_diffusers.testing.models import build_transformer, transformer_inputs
 
 Shape = tuple[int, int, int, int]
 
@@ -149,11 +151,36 @@ def test_unsupported_out_dtype(shape: Shape, out_dtype: torch.dtype) -> None:
         attention(*qkv(shape), out_dtype=out_dtype)
 
 
-def test_missing_cupy_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fresh_import_cupy() -> Iterator[None]:
+    import_cupy.cache_clear()
+    yield
+    import_cupy.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("torch_cuda", "named"), [(None, ("cuda12", "cuda13")), ("12.8", ("cuda12",)), ("13.0", ("cuda13",))]
+)
+def test_missing_cupy_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, fresh_import_cupy: None, torch_cuda: str | None, named: tuple[str, ...]
+) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
-    with pytest.raises(ImportError, match=re.escape("pictor-diffusers[cuda12]")) as info:
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    with pytest.raises(ImportError, match=re.escape(f"torch.version.cuda = {torch_cuda}")) as info:
         import_cupy()
-    assert "pictor-diffusers[cuda13]" in str(info.value)
+    for extra in ("cuda12", "cuda13"):
+        assert (f"pictor-diffusers[{extra}]" in str(info.value)) == (extra in named), str(info.value)
+
+
+def test_cupy_for_another_cuda_warns_with_the_extra(monkeypatch: pytest.MonkeyPatch, fresh_import_cupy: None) -> None:
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(runtimeGetVersion=lambda: 12080))
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.warns(RuntimeWarning, match=re.escape("CuPy is built for CUDA 12 but torch for CUDA 13.0")) as info:
+        assert import_cupy() is fake
+    assert "pictor-diffusers[cuda13]" in str(info[0].message)
 
 
 # PictorAttn --------------------------------------------------------------------------------
@@ -255,10 +282,10 @@ def _prologue_args(text_batch: int = 2) -> tuple[list[torch.Tensor], list[torch.
 
 
 def test_prologue_blocker_accepts_a_valid_layout() -> None:
-    from pictor_diffusers.cuda_launch import prologue_blocker
+    from pictor_diffusers.validation import prologue_layout_problem
 
     projections, weights, rope = _prologue_args()
-    assert prologue_blocker(projections, weights, rope, [1e-6] * 4) is None
+    assert prologue_layout_problem(projections, weights, rope, [1e-6] * 4) is None
 
 
 @pytest.mark.parametrize(
@@ -274,9 +301,9 @@ def test_prologue_blocker_accepts_a_valid_layout() -> None:
 )
 def test_prologue_blocker_refuses_inconsistent_shapes(break_it, reason: str) -> None:
     """The kernel trusts these shapes; the blocker hands such calls to torch, which raises or copes."""
-    from pictor_diffusers.cuda_launch import prologue_blocker
+    from pictor_diffusers.validation import prologue_layout_problem
 
     projections, weights, rope = _prologue_args()
     break_it(projections, weights, rope)
-    problem = prologue_blocker(projections, weights, rope, [1e-6] * 4)
+    problem = prologue_layout_problem(projections, weights, rope, [1e-6] * 4)
     assert problem is not None and reason in problem

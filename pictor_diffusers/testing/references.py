@@ -1,4 +1,4 @@
-"""float64 references and input makers shared by the GPU tests and benchmarks."""
+"""float64 references, input makers and error metrics shared by the GPU tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -35,3 +35,14 @@ def attention_float64(
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """4·B·H·N²·D: two matrix products of 2·N²·D each, per head."""
     return 4.0 * batch * heads * seq * seq * head_dim
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected||_2 / ||expected||_2, computed in float64."""
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def max_abs(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute elementwise difference, in float64."""
+    return (actual.double() - expected.double()).abs().max().item()

@@ -1,4 +1,4 @@
-"""Randomly initialised FLUX.2 transformers and inputs for the tests.
+"""Randomly initialised FLUX.2 transformers and inputs for the tests and benchmarks.
 
 Weights come from the model's own initialisation under a fixed seed; nothing is
 downloaded. Token ids follow FLUX.2's layout: text ids count along axis 3,

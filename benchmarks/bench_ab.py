@@ -1,0 +1,130 @@
+"""A/B kernel timing of two pictor-diffusers checkouts in one run, interleaved.
+
+Two worker processes, one per checkout (each imports its own `pictor_diffusers`
+and compiles its own `kernels/`), time the same rows through the public
+`attention()`; the driver alternates A, B, A, B... per row, so clock and
+thermal drift hit both sides alike. Per row: the median over rounds of each
+side's CUDA-event median (GPU time, the GPU held ~1 ms before each call), and
+the ratio B / A.
+
+    python benchmarks/bench_ab.py --baseline /path/to/old/checkout --json ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from statistics import median
+
+ROWS = [("tf32x3", "fp32"), ("f32", "fp32"), ("wgmma", "bf16"), ("mma16", "bf16"), ("wgmma", "fp16")]
+SHAPES = [(b, h, n, 128) for n in (1536, 4608, 16896) for h in (24, 32, 48) for b in (1, 2)]
+GPU_HOLD_CYCLES = 2_000_000
+"""~1 ms of GPU spin before each timed call: the events time GPU work, not host launch overhead."""
+MAX_F32_SEQ = 4608
+"""The scalar reference kernel takes seconds per call beyond this; its rows stop here."""
+
+
+def serve() -> None:
+    """Worker: read `kernel dtype B H N D warmup timed` lines, answer each with the median ms."""
+    import torch
+
+    from pictor_diffusers import attention  # the checkout's own; nothing else of it is assumed
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for line in sys.stdin:
+        kernel, dtype, *numbers = line.split()
+        batch, heads, seq, head_dim, warmup, timed = (int(x) for x in numbers)
+        generator = torch.Generator(device="cuda").manual_seed(seq + heads)
+        shape = (batch, heads, seq, head_dim)
+        q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtypes[dtype]) for _ in range(3))
+        for _ in range(warmup):
+            attention(q, k, v, kernel=kernel)
+        times = []
+        for _ in range(timed):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(GPU_HOLD_CYCLES)
+            start.record()
+            attention(q, k, v, kernel=kernel)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del q, k, v
+        torch.cuda.empty_cache()
+        print(json.dumps({"ms": median(times)}), flush=True)
+
+
+class Worker:
+    """One checkout's serving process."""
+
+    def __init__(self, checkout: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(checkout), os.environ.get("PYTHONPATH"))))}
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def time(self, request: str) -> float:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(request + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"worker died on {request!r}")
+        return json.loads(answer)["ms"]
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def repetitions(kernel: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(warm-up, timed) calls, fewer for the slow f32-path rows."""
+    batch, heads, seq, _ = shape
+    work = batch * heads * seq * seq / (2 * 48 * 16896**2)
+    if kernel in ("tf32x3", "f32") and work > 0.05:
+        return 1, 3
+    return 3, 10
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", type=Path, help="checkout A (its folder holds pictor_diffusers/ and kernels/)")
+    parser.add_argument("--candidate", type=Path, default=Path(__file__).resolve().parents[1], help="checkout B")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return
+    workers = {"A": Worker(args.baseline.resolve()), "B": Worker(args.candidate.resolve())}
+    records = []
+    for shape in SHAPES:
+        for kernel, dtype in ROWS:
+            if kernel == "f32" and shape[2] > MAX_F32_SEQ:
+                continue
+            request = " ".join(map(str, (kernel, dtype, *shape, *repetitions(kernel, shape))))
+            times: dict[str, list[float]] = {"A": [], "B": []}
+            for _ in range(args.rounds):
+                for side, worker in workers.items():
+                    times[side].append(worker.time(request))
+            a, b = median(times["A"]), median(times["B"])
+            record = {"suite": "ab", "kernel": kernel, "dtype": dtype, **dict(zip("BHND", shape, strict=True))}
+            record |= {"ms_a": a, "ms_b": b, "ratio_b_over_a": b / a}
+            records.append(record)
+            print(f"{kernel:>7} {dtype} B{shape[0]} H{shape[1]:>2} N{shape[2]:>5}: A {a:9.3f} ms  B {b:9.3f} ms  "
+                  f"B/A {b / a:.3f}", flush=True)  # fmt: skip
+    for worker in workers.values():
+        worker.close()
+    worst = max(records, key=lambda r: r["ratio_b_over_a"])
+    print(f"worst B/A {worst['ratio_b_over_a']:.3f}: {worst['kernel']} {worst['dtype']} "
+          f"B{worst['B']} H{worst['H']} N{worst['N']}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""The kernel registry: one row per CUDA kernel, and the pure choice among them.
+
+A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute
+capability), how it is built (source, `-D` geometry, arch) and how it is
+launched (threads, rows per block, shared memory, operand and scalar lists).
+`select_kernel` answers "which kernel runs this problem, and why not the
+others" from plain facts (no GPU, no tensors), so it is tested on CPU for
+every combination. Adding a kernel means adding a row here and its `.cu` file
+in `kernels/`; `launch.py` runs any row.
+
+Geometry lives here only: the host passes it to the kernels as `-D` options,
+the kernels `#error` on a missing one and `static_assert` their own formulas
+against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
+"""dtype name -> the kind number the kernels' `*_KIND` defines use."""
+HALF_DTYPES = ("bfloat16", "float16")
+MAX_HEAD_DIM = 384
+F32_BUILD_HEAD_DIMS = (128, 256, 384)
+"""The scalar kernel is built for the smallest of these >= head_dim (its register arrays)."""
+
+
+def _tf32x3_smem(d: int) -> int:
+    return (128 * (d + 4) + 32 * (d + 4) + 32 * (d + 2)) * 8 + 32 * d * 4
+
+
+def _mma16_smem(d: int) -> int:
+    return (128 + 2 * 64) * (2 * d + 16)
+
+
+def _wgmma_smem(d: int) -> int:
+    return 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelSpec:
+    """One attention kernel: what it takes, how it is built and launched.
+
+    Attributes:
+        name: the `kernel=` name users pass.
+        family: "fp32" (the parity path, f32 inputs) or "16bit" (the fast path).
+        source, entry: file in `kernels/` and its `extern "C"` symbol.
+        in_dtypes, out_dtypes: dtype names it reads and writes ("same": the input's).
+        head_dims: head_dims it computes exactly.
+        min_capability: oldest compute capability; `exact_capability` pins one.
+        arch_suffix: "a" for arch-specific cubins (sm_90a: wgmma, setmaxnreg).
+        threads, rows_per_block: block size and query rows per block.
+        shared_bytes: dynamic shared memory per block, by head_dim.
+        prefix: the source's macro prefix (FT_, MH_, ...).
+        geometry: constants passed as `-D{prefix}{key}`.
+        kinds: which dtype-kind defines the source takes ("IN_KIND", "OUT_KIND").
+        head_define: the head_dim define (`-D{prefix}{head_define}={head_dim}{suffix}`).
+        smem_define: whether the source takes `{prefix}SMEM_BYTES` to cross-check.
+        operands: "pointers" (q, k, v, out) or "tensor_maps" (TMA maps of q, k, v; out pointer).
+        scalars: the trailing arguments, from ("heads", "seq", "head_dim", "scale", "scale_log2").
+    """
+
+    name: str
+    family: str
+    source: str
+    entry: str
+    in_dtypes: tuple[str, ...]
+    out_dtypes: tuple[str, ...] | str
+    head_dims: tuple[int, ...]
+    min_capability: tuple[int, int]
+    threads: int
+    rows_per_block: int
+    shared_bytes: Callable[[int], int]
+    prefix: str
+    geometry: Mapping[str, str] = field(default_factory=dict)
+    kinds: tuple[str, ...] = ()
+    head_define: tuple[str, str] = ("D", "")
+    smem_define: bool = True
+    operands: str = "pointers"
+    scalars: tuple[str, ...] = ("heads", "seq", "scale_log2")
+    exact_capability: tuple[int, int] | None = None
+    arch_suffix: str = ""
+
+    def writes(self, in_dtype: str) -> tuple[str, ...]:
+        """The output dtypes it writes for `in_dtype` inputs."""
+        return (in_dtype,) if self.out_dtypes == "same" else self.out_dtypes
+
+
+KERNELS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        name="wgmma",
+        family="16bit",
+        source="flash_attn_wgmma.cu",
+        entry="joint_attention_wgmma",
+        in_dtypes=HALF_DTYPES,
+        out_dtypes="same",
+        head_dims=(128,),
+        min_capability=(9, 0),
+        exact_capability=(9, 0),
+        arch_suffix="a",
+        threads=384,
+        rows_per_block=128,
+        shared_bytes=_wgmma_smem,
+        prefix="WG_",
+        geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
+        kinds=("IN_KIND",),
+        operands="tensor_maps",
+    ),
+    KernelSpec(
+        name="mma16",
+        family="16bit",
+        source="flash_attn_mma16.cu",
+        entry="joint_attention_mma16",
+        in_dtypes=HALF_DTYPES,
+        out_dtypes="same",
+        head_dims=(64, 128),
+        min_capability=(8, 0),
+        threads=128,
+        rows_per_block=128,
+        shared_bytes=_mma16_smem,
+        prefix="MH_",
+        geometry={"BQ": "128", "BK": "64", "THREADS": "128"},
+        kinds=("IN_KIND",),
+    ),
+    KernelSpec(
+        name="tf32x3",
+        family="fp32",
+        source="flash_attn_tf32x3.cu",
+        entry="joint_attention_tf32x3",
+        in_dtypes=("float32",),
+        out_dtypes=("float32", *HALF_DTYPES),
+        head_dims=(32, 64, 96, 128),
+        min_capability=(8, 0),
+        threads=256,
+        rows_per_block=128,
+        shared_bytes=_tf32x3_smem,
+        prefix="FT_",
+        geometry={"BQ": "128", "BK": "32", "THREADS": "256"},
+        kinds=("OUT_KIND",),
+    ),
+    KernelSpec(
+        name="f32",
+        family="fp32",
+        source="flash_attn_f32.cu",
+        entry="joint_attention_flash_f32",
+        in_dtypes=("float32",),
+        out_dtypes=("float32",),
+        head_dims=tuple(range(1, MAX_HEAD_DIM + 1)),
+        min_capability=(5, 0),
+        threads=128,
+        rows_per_block=8,
+        shared_bytes=lambda d: 2 * 32 * d * 4,
+        prefix="FA_",
+        geometry={"BQ": "8u", "BK": "32u", "THREADS": "128u"},
+        head_define=("DMAX", "u"),
+        smem_define=False,
+        scalars=("heads", "seq", "head_dim", "scale"),
+    ),
+)
+"""Every attention kernel, in the order "auto" tries them within a family."""
+
+BY_NAME: dict[str, KernelSpec] = {spec.name: spec for spec in KERNELS}
+FAMILIES = {"fp32": ("float32",), "16bit": HALF_DTYPES}
+KERNEL_CHOICES = ("auto", *BY_NAME)
+
+
+def family_of(in_dtype: str) -> str:
+    """The family of `in_dtype` inputs: "fp32" for float32, "16bit" for bfloat16 and float16."""
+    return "fp32" if in_dtype == "float32" else "16bit"
+
+
+def kernels_for(in_dtype: str) -> tuple[str, ...]:
+    """The `kernel=` names that take `in_dtype` inputs, "auto" first."""
+    return ("auto", *(spec.name for spec in KERNELS if spec.family == family_of(in_dtype)))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled flavour of a row: the spec at one head_dim and in/out dtypes."""
+
+    spec: KernelSpec
+    head_dim: int
+    in_dtype: str
+    out_dtype: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.name}_d{self.head_dim}_{self.in_dtype}_to_{self.out_dtype}"
+
+    def defines(self) -> tuple[tuple[str, str], ...]:
+        """Every `-D` the source requires: head_dim, dtype kinds, geometry, shared bytes."""
+        spec = self.spec
+        name, suffix = spec.head_define
+        values = {name: f"{self.head_dim}{suffix}"}
+        kinds = {"IN_KIND": KINDS[self.in_dtype], "OUT_KIND": KINDS[self.out_dtype]}
+        values.update((kind, str(kinds[kind])) for kind in spec.kinds)
+        if spec.smem_define:
+            values["SMEM_BYTES"] = str(spec.shared_bytes(self.head_dim))
+        values.update(spec.geometry)
+        return tuple((spec.prefix + key, value) for key, value in values.items())
+
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options that select this variant (no arch flag)."""
+        return tuple(f"-D{key}={value}" for key, value in self.defines())
+
+    def arch(self, capability: tuple[int, int]) -> str:
+        """The exact NVRTC target for a device of `capability`."""
+        return f"sm_{capability[0]}{capability[1]}{self.spec.arch_suffix}"
+
+    def grid(self, batch: int, heads: int, seq: int) -> tuple[int, int, int]:
+        return (-(-seq // self.spec.rows_per_block), heads, batch)
+
+
+def variant_for(spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
+    """The build of `spec` that computes `head_dim` (the scalar kernel rounds it up)."""
+    if spec.name == "f32":
+        head_dim = next(d for d in F32_BUILD_HEAD_DIMS if head_dim <= d)
+    return Variant(spec, head_dim, in_dtype, out_dtype)
+
+
+def variants(spec: KernelSpec) -> tuple[Variant, ...]:
+    """Every build of an attention row: head_dims x input dtypes x output dtypes it writes."""
+    head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
+    return tuple(Variant(spec, d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The facts that decide which kernel runs: inputs and device, no tensors.
+
+    `aligned`: q, k and v start on 16-byte boundaries (tensor cores read 16-byte vectors).
+    """
+
+    in_dtype: str
+    out_dtype: str
+    head_dim: int
+    capability: tuple[int, int]
+    shared_limit: int
+    aligned: bool = True
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen variant; `upcast`: 16-bit inputs run the f32 kernels as float32;
+    `rejected`: (kernel, reason) for each candidate tried before it."""
+
+    variant: Variant
+    upcast: bool
+    rejected: tuple[tuple[str, str], ...]
+
+
+class NoKernelError(ValueError):
+    """No kernel can run the problem; the message lists each candidate's reason."""
+
+
+def blocker(spec: KernelSpec, problem: Problem) -> str | None:
+    """Why `spec` cannot run `problem` (inputs already float32 for the f32 family), or None."""
+    if problem.in_dtype not in spec.in_dtypes:
+        return f"takes {'/'.join(spec.in_dtypes)} inputs, not {problem.in_dtype}"
+    if problem.head_dim not in spec.head_dims:
+        allowed = f"<= {MAX_HEAD_DIM}" if spec.name == "f32" else f"in {spec.head_dims}"
+        return f"needs head_dim {allowed}, got {problem.head_dim}"
+    if spec.exact_capability is not None and problem.capability != spec.exact_capability:
+        return f"needs compute capability {spec.exact_capability}, the device has {problem.capability}"
+    if problem.capability < spec.min_capability:
+        return f"needs compute capability {spec.min_capability}+, the device has {problem.capability}"
+    needed = spec.shared_bytes(variant_for(spec, problem.head_dim, "float32", "float32").head_dim)
+    if needed > problem.shared_limit:
+        return f"needs {needed} bytes of shared memory per block, the device allows {problem.shared_limit}"
+    if spec.name != "f32" and not problem.aligned:
+        return "q, k or v is not 16-byte aligned"
+    return None
+
+
+def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec, bool]]:
+    """(spec, upcast) in the order tried: the requested kernel, or the family's "auto" order;
+    16-bit "auto" ends with the f32 kernels on upcast inputs."""
+    family = family_of(problem.in_dtype)
+    if kernel != "auto":
+        return [(BY_NAME[kernel], False)]
+    own = [(spec, False) for spec in KERNELS if spec.family == family]
+    if family == "16bit":
+        own += [(spec, True) for spec in KERNELS if spec.family == "fp32"]
+    return own
+
+
+def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str, str] | None = None) -> Selection:
+    """The kernel that runs `problem`: the requested one, or the first "auto" candidate that can.
+
+    Args:
+        problem: inputs and device facts.
+        kernel: "auto" or a name from `KERNEL_CHOICES` (already checked against the family).
+        disabled: kernel name -> reason, for kernels that failed to build or load here.
+
+    Raises:
+        NoKernelError: no candidate can run it; the message gives every reason.
+    """
+    disabled = disabled or {}
+    rejected: list[tuple[str, str]] = []
+    for spec, upcast in _candidates(problem, kernel):
+        in_dtype = "float32" if upcast else problem.in_dtype
+        reason = disabled.get(spec.name) or blocker(spec, replace(problem, in_dtype=in_dtype))
+        if reason is None:
+            writes = spec.writes(in_dtype)
+            out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
+            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype)
+            return Selection(variant, upcast, tuple(rejected))
+        rejected.append((spec.name + (" (upcast)" if upcast else ""), reason))
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
+    raise NoKernelError(f"kernel={kernel!r} cannot run {problem.in_dtype} head_dim={problem.head_dim}: {reasons}")
+
+
+PROLOGUE = KernelSpec(
+    name="prologue",
+    family="prologue",
+    source="qkv_prologue.cu",
+    entry="qkv_prologue",
+    in_dtypes=tuple(KINDS),
+    out_dtypes=tuple(KINDS),
+    head_dims=tuple(range(4, 129, 4)),
+    min_capability=(5, 0),
+    threads=256,
+    rows_per_block=1,
+    shared_bytes=lambda d: 0,
+    prefix="PR_",
+    geometry={"THREADS": "256"},
+    kinds=("IN_KIND", "OUT_KIND"),
+    smem_define=False,
+    scalars=(),
+)
+"""The fused QK-norm / RoPE / head-major prologue (grid: one block per token and batch)."""
+
+
+def prologue_variant(head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
+    """The prologue build for `head_dim`, reading `in_dtype` projections and writing `out_dtype`."""
+    if head_dim not in PROLOGUE.head_dims:
+        raise ValueError(f"the fused prologue needs head_dim a multiple of 4 in [4, 128], got {head_dim}")
+    return Variant(PROLOGUE, head_dim, in_dtype, out_dtype)

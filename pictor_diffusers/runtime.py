@@ -1,0 +1,181 @@
+"""The CUDA runtime side of a launch: CuPy, device facts, streams, loaded kernels.
+
+* Kernels are compiled by NVRTC to a cubin for the device's exact arch
+  (`nvrtc.cached_cubin`, one on-disk cache for every kernel), loaded once per
+  process and device by CuPy, and kept as raw `CUfunction` handles.
+* `launch` calls `cuLaunchKernel` (CuPy's binding) with torch's device
+  addresses on torch's current stream of the device: zero copy, no host sync,
+  capturable in CUDA graphs. No stream object is cached or kept alive.
+* Every cache here is bounded: loaded kernels by the registry's finite variant
+  set, argument slots by the few kernel signatures, per thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from .nvrtc import cached_cubin, load_nvrtc_library
+from .registry import Variant
+
+CUPY_INSTALL_HINT = (
+    "PictorAttn needs CuPy to run its kernels on CUDA tensors. Install the extra that matches your torch "
+    "build (torch.version.cuda = {torch_cuda}): {advice}; never install both cupy-cuda12x and cupy-cuda13x."
+)
+
+_functions: dict[tuple[str, int], tuple[Any, int]] = {}
+_lock = threading.Lock()
+_thread_state = threading.local()
+
+
+def _extra_advice() -> str:
+    """The pip command for torch's CUDA, or both choices when torch has no CUDA."""
+    if torch.version.cuda:
+        return f"pip install 'pictor-diffusers[cuda{torch.version.cuda.split('.')[0]}]'"
+    return "pip install 'pictor-diffusers[cuda12]' for CUDA 12 or 'pictor-diffusers[cuda13]' for CUDA 13"
+
+
+@functools.cache
+def import_cupy() -> Any:
+    """Import CuPy once, or raise ImportError naming the extra that matches torch's CUDA.
+
+    Warns once when CuPy was built for another CUDA major version than torch.
+    """
+    try:
+        import cupy
+    except ImportError as error:
+        raise ImportError(CUPY_INSTALL_HINT.format(torch_cuda=torch.version.cuda, advice=_extra_advice())) from error
+    cupy_major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+    torch_cuda = torch.version.cuda
+    if torch_cuda and int(torch_cuda.split(".")[0]) != cupy_major:
+        warnings.warn(
+            f"pictor-diffusers: CuPy is built for CUDA {cupy_major} but torch for CUDA {torch_cuda}; "
+            f"replace CuPy with the matching extra: {_extra_advice()}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return cupy
+
+
+@functools.cache
+def device_facts(device_index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, opt-in shared memory bytes per block) of a device."""
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor), props.shared_memory_per_block_optin
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(device_index: int) -> int:
+    """The handle of torch's current stream on the device (no Python stream object)."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _bind_context(device_index: int) -> None:
+    """Make the device's primary context current in this thread, once per thread and device.
+
+    Driver-level launches need a current context; a thread that has only used
+    torch's cached allocations may not have one yet. cudaSetDevice binds it.
+    """
+    bound = getattr(_thread_state, "devices", None)
+    if bound is None:
+        bound = _thread_state.devices = set()
+    if device_index not in bound:
+        import_cupy().cuda.runtime.setDevice(device_index)
+        bound.add(device_index)
+
+
+def function(variant: Variant, device_index: int) -> int:
+    """The `CUfunction` handle of `variant` on the device, compiled and loaded on first use."""
+    entry = _functions.get((variant.name, device_index))
+    if entry is None:
+        with _lock:
+            entry = _functions.get((variant.name, device_index))
+            if entry is None:
+                entry = _functions[(variant.name, device_index)] = _load(variant, device_index)
+    return entry[1]
+
+
+def _load(variant: Variant, device_index: int) -> tuple[Any, int]:
+    cupy = import_cupy()
+    load_nvrtc_library()
+    capability, _ = device_facts(device_index)
+    path = cached_cubin(variant, variant.arch(capability))
+    with cupy.cuda.Device(device_index):
+        kernel = cupy.RawModule(path=str(path)).get_function(variant.spec.entry)
+        shared = variant.spec.shared_bytes(variant.head_dim)
+        if shared > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = shared
+    return kernel, kernel.kernel.ptr
+
+
+class _ArgSlots:
+    """Reusable `cuLaunchKernel` argument storage for one kernel signature.
+
+    `signature` holds a ctypes type per argument, or None for an argument
+    passed by address as-is (a tensor map). `fill` writes the values and returns
+    the address of the `void*[]` array; the launch copies them at once.
+    """
+
+    __slots__ = ("array", "by_address", "values")
+
+    def __init__(self, signature: tuple[Any, ...]) -> None:
+        self.values = [kind() if kind is not None else None for kind in signature]
+        self.array = (ctypes.c_void_p * len(signature))()
+        self.by_address = [kind is None for kind in signature]
+        for i, value in enumerate(self.values):
+            if value is not None:
+                self.array[i] = ctypes.addressof(value)
+
+    def fill(self, args: tuple[Any, ...]) -> int:
+        for i, arg in enumerate(args):
+            if self.by_address[i]:
+                self.array[i] = arg
+            else:
+                self.values[i].value = arg
+        return ctypes.addressof(self.array)
+
+
+def _slots(signature: tuple[Any, ...]) -> _ArgSlots:
+    cache = getattr(_thread_state, "slots", None)
+    if cache is None:
+        cache = _thread_state.slots = {}
+    slots = cache.get(signature)
+    if slots is None:
+        slots = cache[signature] = _ArgSlots(signature)
+    return slots
+
+
+def launch(
+    function_handle: int,
+    device_index: int,
+    grid: tuple[int, int, int],
+    threads: int,
+    shared_bytes: int,
+    signature: tuple[Any, ...],
+    args: tuple[Any, ...],
+) -> None:
+    """`cuLaunchKernel` on torch's current stream of `device_index`.
+
+    Args:
+        signature: ctypes type per kernel argument (None: passed by address, e.g. a tensor map).
+        args: the values (device addresses as ints, scalars, tensor-map addresses).
+    """
+    cupy = import_cupy()
+    params = _slots(signature).fill(args)
+    stream = current_stream(device_index)
+    if torch.cuda.current_device() != device_index:
+        with torch.cuda.device(device_index):
+            _bind_context(device_index)
+            cupy.cuda.driver.launchKernel(function_handle, *grid, threads, 1, 1, shared_bytes, stream, params, 0)
+        return
+    _bind_context(device_index)
+    cupy.cuda.driver.launchKernel(function_handle, *grid, threads, 1, 1, shared_bytes, stream, params, 0)

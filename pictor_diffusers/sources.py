@@ -1,0 +1,37 @@
+"""Where the CUDA C sources live: `kernels/*.cu` and the shared header `kernels/common.cuh`.
+
+The files sit in the repository's top-level `kernels/` folder; the wheel ships
+them as `pictor_diffusers/kernels/`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+HEADERS = ("common.cuh",)
+"""Headers every kernel may `#include "..."`; NVRTC gets them in memory."""
+
+
+@functools.cache
+def kernels_dir() -> Path:
+    """The folder holding the `.cu` sources, for both wheels and source checkouts."""
+    for candidate in (_PACKAGE_DIR / "kernels", _PACKAGE_DIR.parent / "kernels"):
+        if (candidate / HEADERS[0]).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"pictor-diffusers kernel sources not found next to {_PACKAGE_DIR}; "
+        "the installation is incomplete (reinstall the wheel)."
+    )
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    """The CUDA C text of `kernels/<name>` (read once per process)."""
+    return (kernels_dir() / name).read_text(encoding="utf-8")
+
+
+def header_texts() -> tuple[str, ...]:
+    """The texts of `HEADERS`, in order."""
+    return tuple(read_source(name) for name in HEADERS)

@@ -1,0 +1,88 @@
+"""TMA tensor maps (`CUtensorMap`) of head-major 16-bit tensors, for the Hopper kernels.
+
+A map is 128 opaque bytes encoded by the driver (`cuTensorMapEncodeTiled`,
+through ctypes) that the kernel takes by value (`__grid_constant__`). A map
+holds only an address, a shape and strides, so it stays valid for whatever
+tensor later lives at that address: maps are memoised by (address, shape,
+dtype) in a bounded LRU cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections import OrderedDict
+
+import torch
+
+BOX_COLUMNS, BOX_ROWS = 64, 128
+"""One copy: 64 head_dim columns (128 bytes, the swizzle span) x 128 rows x 1 head."""
+_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+CACHE_SIZE = 256
+
+_maps: OrderedDict[tuple[int, tuple[int, ...], torch.dtype], tuple[ctypes.Array, int]] = OrderedDict()
+_lock = threading.Lock()
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    driver = ctypes.CDLL("libcuda.so.1")
+    driver.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    driver.cuTensorMapEncodeTiled.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    return driver
+
+
+def check_driver() -> None:
+    """Raise OSError if the driver library (and so tensor-map encoding) is unavailable."""
+    _driver()
+
+
+def _encode(pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype) -> tuple[ctypes.Array, int]:
+    """Map of a contiguous 16-bit `[B, H, N, D]` tensor as rank 3 (D, N, B*H).
+
+    128-byte swizzle; reads past N (or past the last head) are zero-filled by
+    the copy engine. Returns (owning buffer, 64-byte-aligned map address).
+    """
+    batch, heads, seq, head_dim = shape
+    buffer = ctypes.create_string_buffer(128 + 64)
+    address = (ctypes.addressof(buffer) + 63) & ~63
+    dims = (ctypes.c_uint64 * 3)(head_dim, seq, batch * heads)
+    strides = (ctypes.c_uint64 * 2)(head_dim * 2, seq * head_dim * 2)
+    box = (ctypes.c_uint32 * 3)(BOX_COLUMNS, BOX_ROWS, 1)
+    unit = (ctypes.c_uint32 * 3)(1, 1, 1)
+    status = _driver().cuTensorMapEncodeTiled(
+        address, _DTYPES[dtype], 3, pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0
+    )
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a {dtype} {shape} tensor")
+    return buffer, address
+
+
+def tensor_map(tensor: torch.Tensor) -> tuple[ctypes.Array, int]:
+    """(owning buffer, address) of the map of a contiguous 16-bit `[B, H, N, D]` CUDA tensor.
+
+    The caller keeps the buffer referenced until the launch has been issued
+    (the launch copies the map's bytes).
+    """
+    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+    entry = _maps.get(key)
+    if entry is not None:
+        return entry
+    entry = _encode(*key)
+    with _lock:
+        _maps[key] = entry
+        while len(_maps) > CACHE_SIZE:
+            _maps.popitem(last=False)
+    return entry
+
+
+def cached_maps() -> int:
+    """How many maps the cache holds (for the soak tests)."""
+    return len(_maps)

@@ -1,0 +1,196 @@
+"""Every kernel of the registry compiles on a machine without a GPU, as the host builds it.
+
+* NVRTC (through CuPy's bindings, no driver needed) compiles each variant to
+  PTX for its archs: the entry point is there, and the instructions its
+  family promises (f32 FMA and no tensor cores for the scalar reference; TF32
+  mma for 3xTF32; 16-bit mma.sync or wgmma of the variant's dtype).
+* The geometry comes from the registry as `-D`: dropping any define fails
+  the compile by `#error`, and a wrong value fails a kernel `static_assert`.
+* Where ptxas is on PATH: one block fits the register file, and no variant
+  that runs FLUX.2 spills.
+* The wgmma cubin is a complete ELF whose SASS holds HGMMA and no local memory.
+
+Tests skip with the reason when CuPy (NVRTC), ptxas or a disassembler is absent.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from compile_tools import needs_cupy, needs_ptxas, parse_resources, ptx_for, ptxas_report, sass_tool, spills
+
+from pictor_diffusers.registry import BY_NAME, KERNELS, PROLOGUE, Variant, prologue_variant, variants
+
+PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
+PROLOGUES = tuple(
+    prologue_variant(d, dtype, out)
+    for d in (32, 128)
+    for dtype in PTX_TYPE | {"float32": ""}
+    for out in {"float32", dtype}
+)
+ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES
+MAY_SPILL = {"f32_d256_float32_to_float32", "f32_d384_float32_to_float32"}
+"""Wide scalar-kernel builds (head_dim > 128: no FLUX.2 model) may spill; they warn instead."""
+
+
+def archs(variant: Variant) -> list[str]:
+    return [variant.arch((9, 0))] if variant.spec.arch_suffix else ["sm_80", "sm_90"]
+
+
+BUILDS = [(v, arch) for v in ALL for arch in archs(v)]
+BUILD_IDS = [f"{v.name}-{arch}" for v, arch in BUILDS]
+
+
+def _family_instructions(variant: Variant, ptx: str) -> None:
+    name = variant.spec.name
+    if name == "f32":
+        tensor_core = sorted(set(re.findall(r"\b(?:wgmma|wmma|mma)\.[\w.]+", ptx)))
+        assert not tensor_core, f"tensor-core instructions in the parity reference: {tensor_core[:5]}"
+        assert not re.search(r"\S*\.b?f16\S*", ptx), "16-bit staging in the parity reference"
+        assert re.search(r"\bfma\.rn\.f32\b", ptx), "no f32 FMA in the PTX"
+    elif name == "tf32x3":
+        assert re.search(r"\bmma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32\b", ptx), "no TF32 mma"
+    elif name in ("mma16", "wgmma"):
+        kind = PTX_TYPE[variant.in_dtype]
+        other = PTX_TYPE["float16" if variant.in_dtype == "bfloat16" else "bfloat16"]
+        mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32" if name == "mma16" else r"wgmma\.mma_async\.\S*f32"
+        assert re.search(rf"\b{mma}\.{kind}\.{kind}\b", ptx), f"no {kind} tensor-core product in {variant.name}"
+        assert not re.search(rf"\b(?:w?g?mma)\S*\.{other}\.{other}\b", ptx), f"{variant.name} multiplies {other}"
+
+
+@needs_cupy
+@pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=BUILD_IDS)
+def test_compiles_with_its_family_instructions(variant: Variant, arch: str) -> None:
+    ptx = ptx_for(variant, arch)
+    assert f".entry {variant.spec.entry}" in ptx
+    target = arch.removesuffix("a")
+    assert re.search(rf"^\.target\s+{target}a?\b", ptx, re.MULTILINE), f"PTX is not for {arch}"
+    _family_instructions(variant, ptx)
+
+
+@needs_cupy
+@needs_ptxas
+@pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=BUILD_IDS)
+def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_path: Path) -> None:
+    resources = parse_resources(ptxas_report(ptx_for(variant, arch), arch, tmp_path))
+    print(f"{variant.name} {arch}: {resources}")
+    assert resources["registers"] * variant.spec.threads <= 65536, f"one block does not fit: {resources}"
+    if variant.name in MAY_SPILL:
+        return
+    assert not spills(resources), f"{variant.name} on {arch} spills or uses a stack frame: {resources}"
+
+
+@needs_cupy
+def test_defines_reach_nvrtc() -> None:
+    """Every variant of a source compiles to different code: its -D options are used."""
+    for spec in (*KERNELS, PROLOGUE):
+        builds = [(v, arch) for v, arch in BUILDS if v.spec is spec and arch == archs(v)[-1]]
+        ptxs = {v.name: ptx_for(v, arch) for v, arch in builds}
+        assert len(set(ptxs.values())) == len(ptxs), f"two {spec.name} variants compiled to identical PTX"
+
+
+def _compile_log(variant: Variant, options: tuple[str, ...]) -> str:
+    """NVRTC's error log for `variant` built with `options` instead of its own ('' if it compiles)."""
+    from pictor_diffusers import nvrtc
+
+    class Edited(Variant):
+        def options(self) -> tuple[str, ...]:
+            return options
+
+    edited = Edited(variant.spec, variant.head_dim, variant.in_dtype, variant.out_dtype)
+    try:
+        nvrtc.compile_ptx(edited, archs(variant)[-1])
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+FIRST_OF_EACH = [variants(spec)[-1] for spec in KERNELS] + [PROLOGUES[-1]]
+
+
+@needs_cupy
+@pytest.mark.parametrize("variant", FIRST_OF_EACH, ids=[v.spec.name for v in FIRST_OF_EACH])
+def test_every_define_is_required(variant: Variant) -> None:
+    """Geometry has one source, the registry: a kernel never falls back to a default of its own."""
+    for dropped in variant.options():
+        macro = dropped.removeprefix("-D").split("=")[0]
+        log = _compile_log(variant, tuple(o for o in variant.options() if o != dropped))
+        assert log, f"{variant.spec.source} compiled without {macro}"
+        assert macro in log, f"dropping {macro} failed without naming it:\n{log[-800:]}"
+
+
+@needs_cupy
+@pytest.mark.parametrize("variant", FIRST_OF_EACH, ids=[v.spec.name for v in FIRST_OF_EACH])
+def test_wrong_geometry_fails_a_static_assert(variant: Variant) -> None:
+    """A host value that disagrees with the kernel's own formulas does not compile."""
+    for key in ("THREADS", "SMEM_BYTES"):
+        macro = variant.spec.prefix + key
+        options = variant.options()
+        if not any(o.startswith(f"-D{macro}=") for o in options):
+            continue
+        edited = tuple(
+            f"-D{macro}={int(o.split('=')[1].rstrip('u')) + 32}" if o.startswith(f"-D{macro}=") else o for o in options
+        )
+        assert _compile_log(variant, edited), f"{variant.spec.source} accepted a wrong {macro}"
+
+
+def elf_extent(elf: bytes) -> int:
+    """Bytes an ELF64 file needs to hold its section and program header tables."""
+    phoff, shoff = struct.unpack_from("<QQ", elf, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", elf, 54)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
+def _run(command: list[str]) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
+    return result.stdout
+
+
+WGMMA = variants(BY_NAME["wgmma"])
+
+
+@needs_cupy
+@pytest.mark.parametrize("variant", WGMMA, ids=[v.name for v in WGMMA])
+def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
+    from pictor_diffusers.nvrtc import compile_cubin
+
+    cubin = compile_cubin(variant, "sm_90a")
+    assert cubin[:4] == b"\x7fELF", "compile_cubin did not return an ELF cubin"
+    assert len(cubin) >= elf_extent(cubin), f"cubin truncated: {len(cubin)} bytes, its headers need {elf_extent(cubin)}"
+    assert variant.spec.entry.encode() in cubin
+    tool = sass_tool()
+    if tool is None:
+        pytest.skip("no cuobjdump or nvdisasm on PATH or beside ptxas: SASS not checked")
+    path = tmp_path / f"{variant.name}.cubin"
+    path.write_bytes(cubin)
+    assert "HGMMA" in _run([*tool, str(path)]), f"{variant.name}: no HGMMA in the SASS"
+    if Path(tool[0]).name == "cuobjdump":
+        local = re.search(r"LOCAL:(\d+)", _run([tool[0], "-res-usage", str(path)]))
+        assert local is not None and int(local.group(1)) == 0, f"{variant.name} uses local memory"
+
+
+@needs_cupy
+def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pictor_diffusers import cubin_cache, nvrtc
+
+    monkeypatch.setenv(cubin_cache.CACHE_ENV, str(tmp_path / "cache"))
+    variant = variants(BY_NAME["mma16"])[0]
+    first = nvrtc.cached_cubin(variant, "sm_80")
+    assert first.parent == tmp_path / "cache" and first.read_bytes()[:4] == b"\x7fELF"
+    assert nvrtc.cached_cubin(variant, "sm_90") != first, "the arch is not part of the key"
+    first.write_bytes(b"half-written")
+    assert nvrtc.cached_cubin(variant, "sm_80").read_bytes()[:4] == b"\x7fELF", "a corrupt entry was not rebuilt"
+
+
+def test_sources_hold_the_entries() -> None:
+    from pictor_diffusers.sources import read_source
+
+    for spec in (*KERNELS, PROLOGUE):
+        source = read_source(spec.source)
+        assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
+        assert '#include "common.cuh"' in source, f"{spec.source} does not use the shared header"

@@ -1,0 +1,151 @@
+"""The kernel registry's choice, on CPU, for every combination of inputs and device.
+
+Two kinds of checks: a table of concrete cases written out by hand (what a
+FLUX.2 user on a given GPU gets), and properties over the whole product of
+dtypes x head_dims x devices x alignment x requested kernels (the chosen
+kernel can run the problem; every kernel tried before it cannot; a named
+kernel is honoured or refused with its reason).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from pictor_diffusers.registry import (
+    BY_NAME,
+    KERNEL_CHOICES,
+    KERNELS,
+    NoKernelError,
+    Problem,
+    blocker,
+    kernels_for,
+    select_kernel,
+    variants,
+)
+
+H200 = ((9, 0), 232448)
+A100 = ((8, 0), 166912)
+L4 = ((8, 9), 101376)
+T4 = ((7, 5), 65536)
+DEVICES = {"H200": H200, "A100": A100, "L4": L4, "T4": T4}
+
+
+def problem(in_dtype: str, head_dim: int, device: tuple, out_dtype: str | None = None, aligned: bool = True) -> Problem:
+    return Problem(in_dtype, out_dtype or in_dtype, head_dim, device[0], device[1], aligned)
+
+
+CASES = [
+    # (in dtype, out dtype, head_dim, device, aligned) -> (kernel, upcast, built head_dim, written dtype)
+    (("bfloat16", None, 128, H200, True), ("wgmma", False, 128, "bfloat16")),
+    (("float16", None, 128, H200, True), ("wgmma", False, 128, "float16")),
+    (("bfloat16", None, 64, H200, True), ("mma16", False, 64, "bfloat16")),
+    (("bfloat16", None, 128, A100, True), ("mma16", False, 128, "bfloat16")),
+    (("bfloat16", None, 128, H200, False), ("f32", True, 128, "float32")),
+    (("bfloat16", None, 96, A100, True), ("tf32x3", True, 96, "bfloat16")),
+    (("float16", None, 32, T4, True), ("f32", True, 128, "float32")),
+    (("float32", None, 128, H200, True), ("tf32x3", False, 128, "float32")),
+    (("float32", "bfloat16", 128, H200, True), ("tf32x3", False, 128, "bfloat16")),
+    (("float32", None, 128, L4, True), ("f32", False, 128, "float32")),
+    (("float32", "float16", 100, H200, True), ("f32", False, 128, "float32")),
+    (("float32", None, 200, H200, True), ("f32", False, 256, "float32")),
+    (("float32", None, 384, A100, True), ("f32", False, 384, "float32")),
+    (("float32", None, 64, T4, True), ("f32", False, 128, "float32")),
+]
+
+
+@pytest.mark.parametrize(("given", "expected"), CASES, ids=[str(i) for i in range(len(CASES))])
+def test_auto_picks(given: tuple, expected: tuple) -> None:
+    in_dtype, out_dtype, head_dim, device, aligned = given
+    selection = select_kernel(problem(in_dtype, head_dim, device, out_dtype, aligned))
+    variant = selection.variant
+    assert (variant.spec.name, selection.upcast, variant.head_dim, variant.out_dtype) == expected
+
+
+def test_rejections_explain_themselves() -> None:
+    selection = select_kernel(problem("bfloat16", 96, T4))
+    reasons = dict(selection.rejected)
+    assert "head_dim in (128,), got 96" in reasons["wgmma"]
+    assert "head_dim in (64, 128), got 96" in reasons["mma16"]
+    assert "compute capability (8, 0)+, the device has (7, 5)" in reasons["tf32x3 (upcast)"]
+    assert selection.variant.spec.name == "f32"
+
+
+def test_a_disabled_kernel_is_skipped_with_its_reason() -> None:
+    selection = select_kernel(problem("bfloat16", 128, H200), disabled={"wgmma": "cubin failed to load"})
+    assert selection.variant.spec.name == "mma16"
+    assert selection.rejected == (("wgmma", "cubin failed to load"),)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "given", "match"),
+    [
+        ("wgmma", ("bfloat16", 128, A100), r"needs compute capability \(9, 0\), the device has \(8, 0\)"),
+        ("mma16", ("float16", 32, H200), r"needs head_dim in \(64, 128\), got 32"),
+        ("tf32x3", ("float32", 256, H200), r"needs head_dim in \(32, 64, 96, 128\), got 256"),
+        ("tf32x3", ("float32", 128, L4), r"needs 218624 bytes of shared memory per block, the device allows 101376"),
+        ("f32", ("float32", 385, H200), r"needs head_dim <= 384, got 385"),
+    ],
+)
+def test_a_named_kernel_that_cannot_run_raises(kernel: str, given: tuple, match: str) -> None:
+    with pytest.raises(NoKernelError, match=match):
+        select_kernel(problem(*given), kernel)
+
+
+def test_misaligned_inputs_refuse_tensor_core_kernels() -> None:
+    with pytest.raises(NoKernelError, match="not 16-byte aligned"):
+        select_kernel(problem("float32", 128, H200, aligned=False), "tf32x3")
+
+
+PRODUCT = list(
+    itertools.product(("float32", "bfloat16", "float16"), (1, 32, 64, 96, 100, 128, 256, 384), DEVICES, (True, False))
+)
+
+
+@pytest.mark.parametrize(("in_dtype", "head_dim", "device", "aligned"), PRODUCT)
+def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: bool) -> None:
+    """The chosen kernel runs the problem; each earlier candidate cannot; named kernels are honoured."""
+    given = problem(in_dtype, head_dim, DEVICES[device], aligned=aligned)
+    try:
+        selection = select_kernel(given)
+    except NoKernelError as error:
+        assert (in_dtype, head_dim, device) in {(d, 384, "T4") for d in ("float32", "bfloat16", "float16")}, error
+        assert re.search(r"f32( \(upcast\))?: needs 98304 bytes of shared memory per block", str(error))
+        return
+    run_as = Problem(**{**given.__dict__, "in_dtype": "float32"}) if selection.upcast else given
+    assert blocker(selection.variant.spec, run_as) is None
+    assert selection.variant.head_dim >= head_dim
+    assert selection.variant.spec.family == ("fp32" if in_dtype == "float32" or selection.upcast else "16bit")
+    for name, reason in selection.rejected:
+        assert reason, name
+    for kernel in kernels_for(in_dtype)[1:]:
+        spec = BY_NAME[kernel]
+        reason = blocker(spec, given)
+        if reason is None:
+            assert select_kernel(given, kernel).variant.spec is spec
+        else:
+            with pytest.raises(NoKernelError, match=re.escape(reason)):
+                select_kernel(given, kernel)
+
+
+def test_choices_and_families() -> None:
+    assert KERNEL_CHOICES == ("auto", "wgmma", "mma16", "tf32x3", "f32")
+    assert kernels_for("float32") == ("auto", "tf32x3", "f32")
+    assert kernels_for("bfloat16") == kernels_for("float16") == ("auto", "wgmma", "mma16")
+
+
+@pytest.mark.parametrize("spec", KERNELS, ids=[s.name for s in KERNELS])
+def test_variants_carry_their_whole_geometry(spec: object) -> None:
+    """Each -D the sources require is produced, with the row's geometry and shared memory."""
+    for variant in variants(spec):
+        defines = dict(variant.defines())
+        prefix = spec.prefix
+        assert defines[prefix + "THREADS"].rstrip("u") == str(spec.threads)
+        assert defines[prefix + "BQ"].rstrip("u") == str(spec.rows_per_block)
+        if spec.smem_define:
+            assert int(defines[prefix + "SMEM_BYTES"]) == spec.shared_bytes(variant.head_dim)
+        assert len(set(variant.options())) == len(variant.options())
+    names = [v.name for v in variants(spec)]
+    assert len(set(names)) == len(names)
