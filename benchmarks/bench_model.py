@@ -33,6 +33,7 @@ from pictor_diffusers.testing.models import (
     transformer_inputs,
 )
 from pictor_diffusers.testing.references import attention_flops
+from pictor_diffusers.testing.timing import median_ms
 
 MODEL_CONFIGS = {
     "klein-4B": KLEIN_4B_CONFIG,
@@ -73,15 +74,8 @@ def time_forward(model: torch.nn.Module, inputs: dict, reps: int) -> tuple[torch
     out = model(**inputs)[0]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = model(**inputs)[0]
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return out, sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+    ms = median_ms(lambda: model(**inputs), warmup=0, timed=reps, hold=False)
+    return out, ms, torch.cuda.max_memory_allocated() / 2**30
 
 
 def set_backend(model: torch.nn.Module, backend: str) -> None:

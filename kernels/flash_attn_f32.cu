@@ -8,17 +8,21 @@
    tensor cores and no 16-bit staging: this kernel is the accuracy reference of
    the package (max-abs about 1e-6..1e-5 against float64 on N(0,1) inputs).
 
-   Launch geometry:
+   Launch geometry (FA_BQ, FA_BK, FA_THREADS and FA_DMAX come from the host
+   as -D, unsigned, e.g. -DFA_BQ=8u; the kernel checks them against its own
+   design below):
        grid  = (ceil(seq / FA_BQ), num_heads, batch)
-       block = (FA_THREADS = 128, 1, 1)   -> 4 warps
+       block = (FA_THREADS = 128, 1, 1)   -> FA_WARPS = 4 warps
        dynamic shared memory = 2 * FA_BK * head_dim * sizeof(float) bytes
-         (Ksh | Vsh); head_dim 128 -> 32 KiB, 256 -> 64 KiB, 384 -> 96 KiB.
-         Above 48 KiB the host raises the kernel's dynamic shared-memory limit.
+         (Ksh | Vsh); with FA_BK = 32, head_dim 128 -> 32 KiB, 256 -> 64 KiB,
+         384 -> 96 KiB. Above 48 KiB the host raises the kernel's dynamic
+         shared-memory limit.
    Each block owns FA_BQ = 8 query rows of one (batch, head): each warp owns
    FA_RPW = 2 rows, and within a warp lane t holds head dims {t, t+32, ...} of
    its rows' Q and O in registers. A score is a lane-partial dot product
    finished by a butterfly shuffle reduction, so every lane sees every score.
-   Keys stream through shared memory in tiles of FA_BK = 32.
+   Keys stream through shared memory in tiles of FA_BK (32) keys; any
+   FA_BK >= 1 is correct.
 
    Layout:
        q, k, v : head-major  [batch, num_heads, seq, head_dim], contiguous f32
@@ -29,15 +33,18 @@
    bound on head_dim that sizes the per-lane register arrays); any head_dim in
    [1, FA_DMAX] is exact, since only dims below head_dim are touched. */
 
-#define FA_BQ 8u                     /* query rows per block = FA_WARPS * FA_RPW */
-#define FA_BK 32u                    /* keys per shared-memory tile */
-#define FA_THREADS 128u
-#define FA_WARPS 4u
-#define FA_RPW (FA_BQ / FA_WARPS)    /* query rows per warp = 2 */
-#ifndef FA_DMAX
-#define FA_DMAX 128u
+#include "common.cuh"
+
+#if !defined(FA_DMAX) || !defined(FA_BQ) || !defined(FA_BK) || !defined(FA_THREADS)
+#error "flash_attn_f32.cu needs -D FA_DMAX, FA_BQ, FA_BK and FA_THREADS from the host"
 #endif
+
+#define FA_WARPS 4u
+#define FA_RPW 2u                    /* query rows per warp */
 #define FA_MAXDPL ((FA_DMAX + 31u) / 32u)  /* head dims held per lane */
+static_assert(FA_THREADS == FA_WARPS * 32u, "FA_THREADS: the kernel runs 4 warps");
+static_assert(FA_BQ == FA_WARPS * FA_RPW, "FA_BQ: each of the 4 warps owns 2 query rows");
+static_assert(FA_BK >= 1u && FA_DMAX >= 1u, "FA_BK and FA_DMAX must be positive");
 
 /* Running-max start value. The first key of a row always replaces it
    (any finite score exceeds -FLT_MAX), and the explicit test below forces
@@ -127,10 +134,7 @@ extern "C" __global__ void joint_attention_flash_f32(
                     const unsigned int d = lane + s * 32u;
                     if (d < head_dim) partial += Q[rr][s] * ksp[d];
                 }
-                #pragma unroll
-                for (unsigned int off = 16u; off > 0u; off >>= 1u)
-                    partial += __shfl_xor_sync(0xffffffffu, partial, off);
-                const float sc = partial * scale;
+                const float sc = pk_warp_sum(partial) * scale;
 
                 const float m_new = fmaxf(m[rr], sc);
                 const float corr = (m[rr] == FA_NEG_INF) ? 0.0f : expf(m[rr] - m_new);

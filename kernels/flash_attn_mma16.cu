@@ -5,7 +5,9 @@
    run on mma.sync.m16n8k16 with bf16 / f16 operands and f32 accumulators. This
    is the portable fallback for sm_80, sm_86, sm_89 and sm_90.
 
-   Launch geometry:
+   Launch geometry (MH_D, MH_IN_KIND, MH_BQ, MH_BK, MH_THREADS and
+   MH_SMEM_BYTES come from the host as -D; static_asserts below check them
+   against this kernel's own formulas):
        grid  = (ceil(seq / MH_BQ), num_heads, batch), MH_BQ = 128 query rows
        block = MH_THREADS = 128 = 4 warps; warp w owns rows 32w .. 32w+31 as
                two m16 tiles, so every K / V fragment feeds two MMAs
@@ -13,7 +15,7 @@
            shared rows of MH_LDB = 2 * MH_D + 16 bytes:
            Q tile [MH_BQ] rows, loaded once, ldmatrix'ed at every key tile
            K tile [MH_BK] rows, V tile [MH_BK] rows
-       MH_BK = 64 keys per tile (default; 32 trades speed for registers):
+       MH_BK = 64 keys per tile:
            MH_D = 128: 69632 B = 68 KiB (opted in), MH_D = 64: 36864 B = 36 KiB
    Pipeline (cp.async.cg, 16 B, rows past seq zero-filled by src-size 0): the
    copy of V[j] runs under S = Q K[j]^T and the softmax, the copy of K[j+1]
@@ -40,13 +42,12 @@
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
    probabilities. The output is rounded once, to nearest even. */
 
-#ifndef MH_D
-#define MH_D 128
-#endif
-#ifndef MH_IN_KIND
-#define MH_IN_KIND 1             /* 1: bfloat16, 2: float16 */
-#endif
+#include "common.cuh"
 
+#if !defined(MH_D) || !defined(MH_IN_KIND) || !defined(MH_BQ) || !defined(MH_BK) || !defined(MH_THREADS) \
+    || !defined(MH_SMEM_BYTES)
+#error "flash_attn_mma16.cu needs -D MH_D, MH_IN_KIND, MH_BQ, MH_BK, MH_THREADS and MH_SMEM_BYTES from the host"
+#endif
 #if MH_D != 64 && MH_D != 128
 #error "MH_D must be 64 or 128"
 #endif
@@ -58,32 +59,28 @@
 #error "MH_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
-#define MH_BQ 128
-#ifndef MH_BK
-#define MH_BK 64                          /* keys per tile: 64, or 32 for fewer registers */
-#endif
-#if MH_BK != 32 && MH_BK != 64
-#error "MH_BK must be 32 or 64"
-#endif
 #define MH_WARPS 4
-#define MH_THREADS (MH_WARPS * 32)
 #define MH_LDB (MH_D * 2 + 16)            /* shared row stride in bytes */
 #define MH_CHUNKS (MH_D / 8)              /* 16-byte chunks per row */
 #define MH_Q_BYTES (MH_BQ * MH_LDB)
 #define MH_KV_BYTES (MH_BK * MH_LDB)
-#define MH_SMEM_BYTES (MH_Q_BYTES + 2 * MH_KV_BYTES)
 #define MH_KSTEPS (MH_D / 16)             /* k16 steps of S = Q K^T */
 #define MH_STILES (MH_BK / 8)             /* n8 tiles of S per m16 tile */
 #define MH_PSTEPS (MH_BK / 16)            /* k16 steps of O += P V */
 #define MH_OTILES (MH_D / 8)              /* n8 tiles of O per m16 tile */
-#define MH_NEG_INF (-__int_as_float(0x7f800000))
+#define MH_RSTEP (MH_THREADS / MH_CHUNKS) /* rows one pass of the block copies */
+static_assert(MH_THREADS == MH_WARPS * 32, "MH_THREADS: the kernel runs 4 warps");
+static_assert(MH_BQ == MH_WARPS * 32, "MH_BQ: each warp owns two m16 tiles of query rows");
+static_assert(MH_BK % 16 == 0 && MH_BK % MH_RSTEP == 0,
+              "MH_BK: whole k16 steps of P V, and a K/V tile splits evenly over the threads");
+static_assert(MH_SMEM_BYTES == MH_Q_BYTES + 2 * MH_KV_BYTES,
+              "MH_SMEM_BYTES disagrees with the kernel's Q | K | V tiles");
 
 /* Start copying ROWS rows of a head slice (src = its first row) into the
    tile at shared address dst; rows >= valid_rows are zero-filled. Thread i
    copies chunk i % MH_CHUNKS of rows i / MH_CHUNKS + MH_RSTEP * n. A full
    tile uses one pointer plus immediates; a partial one keeps every source
    address inside the head slice (a zero-filled row reads row 0's address). */
-#define MH_RSTEP (MH_THREADS / MH_CHUNKS)
 template <int ROWS>
 __device__ __forceinline__ void mh_copy_tile(unsigned int dst, const unsigned short* __restrict__ src,
                                              unsigned int valid_rows)
@@ -95,22 +92,17 @@ __device__ __forceinline__ void mh_copy_tile(unsigned int dst, const unsigned sh
     if (valid_rows >= ROWS) {
         #pragma unroll
         for (int n = 0; n < ROWS / MH_RSTEP; n++) {
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                         :: "r"(to + n * MH_RSTEP * MH_LDB), "l"(from + n * MH_RSTEP * MH_D));
+            pk_cp_async16(to + n * MH_RSTEP * MH_LDB, from + n * MH_RSTEP * MH_D);
         }
     } else {
         #pragma unroll
         for (int n = 0; n < ROWS / MH_RSTEP; n++) {
             const bool valid = row0 + n * MH_RSTEP < valid_rows;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(to + n * MH_RSTEP * MH_LDB), "l"(valid ? from + n * MH_RSTEP * MH_D : src),
-                            "r"(valid ? 16 : 0));
+            pk_cp_async16_zfill(to + n * MH_RSTEP * MH_LDB, valid ? from + n * MH_RSTEP * MH_D : src,
+                                valid ? 16 : 0);
         }
     }
 }
-
-__device__ __forceinline__ void mh_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void mh_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 __device__ __forceinline__ void mh_ldsm(unsigned int addr, unsigned int* r)
 {
@@ -132,28 +124,6 @@ __device__ __forceinline__ void mh_mma(float* c, const unsigned int* a, unsigned
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* Two f32 rounded to nearest even, lo in bits 0..15 and hi in bits 16..31. */
-__device__ __forceinline__ unsigned int mh_pack(float lo, float hi)
-{
-    unsigned int r;
-    asm("cvt.rn." MH_PTX_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float mh_exp2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float mh_rcp(float x)
-{
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 extern "C" __global__ void __launch_bounds__(MH_THREADS, 2)
 joint_attention_mma16(
     const unsigned short* __restrict__ q,
@@ -165,7 +135,7 @@ joint_attention_mma16(
     float scale_log2)
 {
     extern __shared__ __align__(16) unsigned char mh_smem[];
-    const unsigned int sQ = (unsigned int)__cvta_generic_to_shared(mh_smem);
+    const unsigned int sQ = pk_smem_addr(mh_smem);
     const unsigned int sK = sQ + MH_Q_BYTES;
     const unsigned int sV = sK + MH_KV_BYTES;
 
@@ -182,7 +152,7 @@ joint_attention_mma16(
 
     mh_copy_tile<MH_BQ>(sQ, q + head_off + (unsigned long long)q0 * MH_D, seq - q0);
     mh_copy_tile<MH_BK>(sK, kh, seq);
-    mh_commit();
+    pk_cp_async_commit();
 
     /* ldmatrix row addresses: lane l feeds row l % 8 of matrix l / 8.
        Q (A, m16 x k16): matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7),
@@ -205,16 +175,16 @@ joint_attention_mma16(
         for (int j = 0; j < MH_OTILES; j++) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
     }
     /* Row ri = 2 * mt + r is row 32 * warp + 16 * mt + g + 8 * r of the block. */
-    float m_run[4] = {MH_NEG_INF, MH_NEG_INF, MH_NEG_INF, MH_NEG_INF};  /* max of scale*log2e*s */
+    float m_run[4] = {PK_NEG_INF, PK_NEG_INF, PK_NEG_INF, PK_NEG_INF};  /* max of scale*log2e*s */
     float l_run[4] = {0.f, 0.f, 0.f, 0.f};       /* this thread's part of the running sums */
 
     const unsigned int n_tiles = (seq + MH_BK - 1) / MH_BK;
     for (unsigned int tile = 0; tile < n_tiles; tile++) {
         const unsigned int k0 = tile * MH_BK;
-        mh_wait_all();
+        pk_cp_async_wait_all();
         __syncthreads();                  /* K[tile] (and Q) landed; V no longer read */
         mh_copy_tile<MH_BK>(sV, vh + (unsigned long long)k0 * MH_D, seq - k0);
-        mh_commit();
+        pk_cp_async_commit();
 
         float s[2][MH_STILES][4];
         #pragma unroll
@@ -239,51 +209,16 @@ joint_attention_mma16(
             }
         }
 
-        if (k0 + MH_BK > seq) {
-            #pragma unroll
-            for (int n = 0; n < MH_STILES; n++) {
-                #pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    if (k0 + n * 8 + 2 * t + (c & 1) >= seq) s[0][n][c] = s[1][n][c] = MH_NEG_INF;
-                }
-            }
-        }
-
+        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, seq, t);
         float corr[4];
-        #pragma unroll
-        for (int ri = 0; ri < 4; ri++) {
-            const int mt = ri >> 1, r = ri & 1;
-            float tile_max = MH_NEG_INF;
-            #pragma unroll
-            for (int n = 0; n < MH_STILES; n++) tile_max = fmaxf(tile_max, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float m_new = fmaxf(m_run[ri], tile_max * scale_log2);
-            corr[ri] = mh_exp2(m_run[ri] - m_new);
-            m_run[ri] = m_new;
-            float row_sum = 0.f;
-            #pragma unroll
-            for (int n = 0; n < MH_STILES; n++) {
-                s[mt][n][2 * r] = mh_exp2(fmaf(s[mt][n][2 * r], scale_log2, -m_new));
-                s[mt][n][2 * r + 1] = mh_exp2(fmaf(s[mt][n][2 * r + 1], scale_log2, -m_new));
-                row_sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-            }
-            l_run[ri] = l_run[ri] * corr[ri] + row_sum;
-        }
-        #pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            #pragma unroll
-            for (int j = 0; j < MH_OTILES; j++) {
-                #pragma unroll
-                for (int c = 0; c < 4; c++) o[mt][j][c] *= corr[2 * mt + (c >> 1)];
-            }
-        }
+        pk_online_softmax<MH_STILES, 2, true>(&s[0][0][0], m_run, l_run, corr, scale_log2);
+        pk_rescale<MH_OTILES, 2>(&o[0][0][0], corr);
 
-        mh_wait_all();
+        pk_cp_async_wait_all();
         __syncthreads();                  /* V[tile] landed; K no longer read */
         if (tile + 1 < n_tiles) {
             mh_copy_tile<MH_BK>(sK, kh + (unsigned long long)(k0 + MH_BK) * MH_D, seq - k0 - MH_BK);
-            mh_commit();
+            pk_cp_async_commit();
         }
 
         #pragma unroll
@@ -291,10 +226,10 @@ joint_attention_mma16(
             unsigned int pa[2][4];
             #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
-                pa[mt][0] = mh_pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = mh_pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = mh_pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = mh_pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                pa[mt][0] = pk_pack2<MH_IN_KIND>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pk_pack2<MH_IN_KIND>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pk_pack2<MH_IN_KIND>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pk_pack2<MH_IN_KIND>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
             #pragma unroll
             for (int p = 0; p < MH_OTILES / 2; p++) {
@@ -310,20 +245,17 @@ joint_attention_mma16(
     }
 
     #pragma unroll
-    for (int ri = 0; ri < 4; ri++) {
-        l_run[ri] += __shfl_xor_sync(0xffffffffu, l_run[ri], 1);
-        l_run[ri] += __shfl_xor_sync(0xffffffffu, l_run[ri], 2);
-    }
+    for (int ri = 0; ri < 4; ri++) l_run[ri] = pk_quad_sum(l_run[ri]);
     #pragma unroll
     for (int ri = 0; ri < 4; ri++) {
         const int mt = ri >> 1, r = ri & 1;
         const unsigned int row = q0 + warp * 32u + mt * 16 + r * 8 + g;
         if (row >= seq) continue;
-        const float inv = mh_rcp(l_run[ri]);
+        const float inv = pk_rcp(l_run[ri]);
         unsigned short* dst = out + (((unsigned long long)b * seq + row) * num_heads + h) * MH_D + 2 * t;
         #pragma unroll
         for (int j = 0; j < MH_OTILES; j++) {
-            *(unsigned int*)(dst + j * 8) = mh_pack(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
+            pk_store2<MH_IN_KIND>(dst + j * 8, o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
         }
     }
 }

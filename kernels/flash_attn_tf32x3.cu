@@ -8,7 +8,9 @@
    bits survive per product, so results match the plain-f32 kernel
    (max-abs <= 1e-5 against float64 on N(0,1) inputs).
 
-   Launch geometry:
+   Launch geometry (FT_D, FT_OUT_KIND, FT_BQ, FT_BK, FT_THREADS and
+   FT_SMEM_BYTES come from the host as -D; static_asserts below check them
+   against this kernel's own formulas):
        grid  = (ceil(seq / FT_BQ), num_heads, batch), FT_BQ = 128 query rows
        block = FT_THREADS = 256 = 8 warps; warp w owns rows 16w .. 16w+15
        dynamic shared memory = FT_SMEM_BYTES (FT_D = 128: 213.5 KiB, opted in)
@@ -16,9 +18,10 @@
            K tile  [FT_BK][FT_LDK] (hi, lo) pairs
            V tile  [FT_BK][FT_LDV] (hi, lo) pairs
            V raw   [FT_BK][FT_D] f32, the next V tile in flight (cp.async)
-   Key tiles of FT_BK = 32: while a tile is computed, the next K tile is
-   loaded into registers and the next V tile copied to shared memory; at the
-   next tile each is split into hi/lo once, by all threads, for all warps.
+   Key tiles of FT_BK = 32 keys (any multiple of 8 that splits evenly over
+   the threads): while a tile is computed, the next K tile is loaded into
+   registers and the next V tile copied to shared memory; at the next tile
+   each is split into hi/lo once, by all threads, for all warps.
 
    Matrix products: mma.sync.m16n8k8 TF32, f32 accumulators.
        S = Q K^T : A = Q fragment, B = K tile.
@@ -37,55 +40,38 @@
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
-#ifndef FT_D
-#define FT_D 128
+#include "common.cuh"
+
+#if !defined(FT_D) || !defined(FT_OUT_KIND) || !defined(FT_BQ) || !defined(FT_BK) || !defined(FT_THREADS) \
+    || !defined(FT_SMEM_BYTES)
+#error "flash_attn_tf32x3.cu needs -D FT_D, FT_OUT_KIND, FT_BQ, FT_BK, FT_THREADS and FT_SMEM_BYTES from the host"
 #endif
-#ifndef FT_OUT_KIND
-#define FT_OUT_KIND 0            /* 0: float32, 1: bfloat16, 2: float16 */
+#if FT_D % 32 != 0 || FT_D > 128
+#error "FT_D must be 32, 64, 96 or 128"
+#endif
+#if FT_OUT_KIND < 0 || FT_OUT_KIND > 2
+#error "FT_OUT_KIND must be 0 (float32), 1 (bfloat16) or 2 (float16)"
 #endif
 
-#define FT_BQ 128
-#define FT_BK 32
 #define FT_WARPS 8
-#define FT_THREADS (FT_WARPS * 32)
 #define FT_LDQ (FT_D + 4)
 #define FT_LDK (FT_D + 4)
 #define FT_LDV (FT_D + 2)
 #define FT_KSTEPS (FT_D / 8)
 #define FT_NTILES_S (FT_BK / 8)
 #define FT_NTILES_O (FT_D / 8)
-#ifndef FT_PV_CHUNK
 #define FT_PV_CHUNK 4                   /* output tiles per fresh P.V accumulator */
-#endif
 #define FT_F4_ROW (FT_D / 4)
 #define FT_F4_PER_THREAD (FT_BK * FT_F4_ROW / FT_THREADS)
-#define FT_SMEM_BYTES ((FT_BQ * FT_LDQ + FT_BK * FT_LDK + FT_BK * FT_LDV) * 8 + FT_BK * FT_D * 4)
-#define FT_NEG_INF (-__int_as_float(0x7f800000))
+static_assert(FT_THREADS == FT_WARPS * 32, "FT_THREADS: the kernel runs 8 warps");
+static_assert(FT_BQ == FT_WARPS * 16, "FT_BQ: each warp owns one m16 tile of query rows");
+static_assert(FT_BK % 8 == 0 && FT_BK * FT_F4_ROW % FT_THREADS == 0,
+              "FT_BK: whole n8 tiles, and a K/V tile splits evenly over the threads");
+static_assert(FT_NTILES_O % FT_PV_CHUNK == 0, "FT_PV_CHUNK must divide the output tiles");
+static_assert(FT_SMEM_BYTES == (FT_BQ * FT_LDQ + FT_BK * FT_LDK + FT_BK * FT_LDV) * 8 + FT_BK * FT_D * 4,
+              "FT_SMEM_BYTES disagrees with the kernel's Q | K | V | V raw tiles");
 
-#if FT_D % 32 != 0 || FT_D > 128
-#error "FT_D must be 32, 64, 96 or 128"
-#endif
-
-#if FT_OUT_KIND == 0
-typedef float ft_out_t;
-__device__ __forceinline__ void ft_store2(ft_out_t* dst, float a, float b) { *(float2*)dst = make_float2(a, b); }
-#else
-typedef unsigned short ft_out_t;
-__device__ __forceinline__ unsigned short ft_round16(float x)
-{
-    unsigned short r;
-#if FT_OUT_KIND == 1
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#endif
-    return r;
-}
-__device__ __forceinline__ void ft_store2(ft_out_t* dst, float a, float b)
-{
-    *(unsigned int*)dst = (unsigned int)ft_round16(a) | ((unsigned int)ft_round16(b) << 16);
-}
-#endif
+typedef pk_storage<FT_OUT_KIND>::type ft_out_t;
 
 /* (hi, lo) TF32 bit patterns with x ~= hi + lo. */
 __device__ __forceinline__ uint2 ft_split(float x)
@@ -136,10 +122,9 @@ __device__ __forceinline__ void ft_copy_tile_async(float* raw, const float4* __r
         const unsigned int idx = threadIdx.x + i * FT_THREADS;
         const bool valid = row0 + idx / FT_F4_ROW < seq;
         const float4* from = src + (valid ? (unsigned long long)row0 * FT_F4_ROW + idx : 0ull);
-        const unsigned int to = (unsigned int)__cvta_generic_to_shared(raw + idx * 4);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(to), "l"(from), "r"(valid ? 16 : 0));
+        pk_cp_async16_zfill(pk_smem_addr(raw + idx * 4), from, valid ? 16 : 0);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    pk_cp_async_commit();
 }
 
 /* Split one float4 and store it as four (hi, lo) pairs at row/col of a tile. */
@@ -190,7 +175,7 @@ joint_attention_tf32x3(
     float o[FT_NTILES_O][4];
     #pragma unroll
     for (int j = 0; j < FT_NTILES_O; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {FT_NEG_INF, FT_NEG_INF};   /* running max of scale*log2e*s, rows g, g+8 */
+    float m_run[2] = {PK_NEG_INF, PK_NEG_INF};   /* running max of scale*log2e*s, rows g, g+8 */
     float l_run[2] = {0.f, 0.f};                 /* this thread's part of the running sums */
     const uint2* Qw = Qs + warp * 16 * FT_LDQ;
 
@@ -198,7 +183,7 @@ joint_attention_tf32x3(
     for (unsigned int tile = 0; tile < n_tiles; tile++) {
         const unsigned int k0 = tile * FT_BK;
         __syncthreads();
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        pk_cp_async_wait_all();
         #pragma unroll
         for (int i = 0; i < FT_F4_PER_THREAD; i++) {
             const unsigned int idx = threadIdx.x + i * FT_THREADS;
@@ -237,36 +222,9 @@ joint_attention_tf32x3(
             for (int c = 0; c < 4; c++) s[n][c] += s_cross[n][c];
         }
 
-        if (k0 + FT_BK > seq) {
-            #pragma unroll
-            for (int n = 0; n < FT_NTILES_S; n++) {
-                #pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    if (k0 + n * 8 + 2 * t + (c & 1) >= seq) s[n][c] = FT_NEG_INF;
-                }
-            }
-        }
-
+        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, seq, t);
         float corr[2];
-        #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float tile_max = FT_NEG_INF;
-            #pragma unroll
-            for (int n = 0; n < FT_NTILES_S; n++) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const float m_new = fmaxf(m_run[r], tile_max * scale_log2);
-            corr[r] = exp2f(m_run[r] - m_new);
-            m_run[r] = m_new;
-            float row_sum = 0.f;
-            #pragma unroll
-            for (int n = 0; n < FT_NTILES_S; n++) {
-                s[n][2 * r] = exp2f(fmaf(s[n][2 * r], scale_log2, -m_new));
-                s[n][2 * r + 1] = exp2f(fmaf(s[n][2 * r + 1], scale_log2, -m_new));
-                row_sum += s[n][2 * r] + s[n][2 * r + 1];
-            }
-            l_run[r] = l_run[r] * corr[r] + row_sum;
-        }
+        pk_online_softmax<FT_NTILES_S, 1, false>(&s[0][0], m_run, l_run, corr, scale_log2);
         /* O = O * corr + P V. Each chunk of FT_PV_CHUNK output tiles sums this
            key tile in fresh accumulators and is added to O with IEEE-rounded
            FFMA, so truncation in the tensor cores never compounds across tiles. */
@@ -295,10 +253,7 @@ joint_attention_tf32x3(
     }
 
     #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
+    for (int r = 0; r < 2; r++) l_run[r] = pk_quad_sum(l_run[r]);
     const unsigned long long inner = (unsigned long long)num_heads * FT_D;
     #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -307,6 +262,6 @@ joint_attention_tf32x3(
         const float inv = 1.f / l_run[r];
         ft_out_t* dst = out + ((unsigned long long)b * seq + row) * inner + (unsigned long long)h * FT_D + 2 * t;
         #pragma unroll
-        for (int j = 0; j < FT_NTILES_O; j++) ft_store2(dst + j * 8, o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+        for (int j = 0; j < FT_NTILES_O; j++) pk_store2<FT_OUT_KIND>(dst + j * 8, o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
     }
 }

@@ -15,11 +15,13 @@
        tile j's softmax while the P.V product is still in flight, so the
        exponentials overlap the tensor cores.
 
-   Launch geometry:
+   Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
+   WG_SMEM_BYTES come from the host as -D; static_asserts below check them
+   against this kernel's own formulas; WG_STAGES is the one free choice):
        grid  = (ceil(seq / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
-       dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes (224 KiB of tiles,
-       1 KiB of alignment slack, 104 bytes of mbarriers):
+       dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes at WG_STAGES = 3
+       (224 KiB of tiles, 1 KiB of alignment slack, 104 bytes of mbarriers):
            Q tile, WG_STAGES x (K tile, V tile), 128 x 128 16-bit each, stored
            as two 64-column slabs of 128-byte rows in TMA's 128-byte swizzle;
            then the mbarriers.
@@ -39,34 +41,34 @@
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
 
-#ifndef WG_IN_KIND
-#define WG_IN_KIND 1
-#endif
-#ifndef WG_D
-#define WG_D 128
+#include "common.cuh"
+
+#if !defined(WG_D) || !defined(WG_IN_KIND) || !defined(WG_BQ) || !defined(WG_BK) || !defined(WG_STAGES) \
+    || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)
+#error "flash_attn_wgmma.cu needs -D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and WG_SMEM_BYTES from the host"
 #endif
 #if WG_D != 128
 #error "the wgmma kernel is built for head_dim 128 only"
 #endif
+#if WG_IN_KIND == 1
+#define WG_TYPES ".f32.bf16.bf16"
+#elif WG_IN_KIND == 2
+#define WG_TYPES ".f32.f16.f16"
+#else
+#error "WG_IN_KIND must be 1 (bfloat16) or 2 (float16)"
+#endif
 
-#define WG_BQ 128
-#define WG_BK 128
-#define WG_STAGES 3
-#define WG_THREADS 384
 #define WG_CONSUMER_WARPS 8
 #define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
 #define WG_TILE_BYTES (2 * WG_SLAB_BYTES)    /* 128 rows x 128 columns */
 #define WG_BARRIER_BYTES (8 * (1 + 4 * WG_STAGES))
-#define WG_SMEM_BYTES (1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES)
-#define WG_NEG_INF (-__int_as_float(0x7f800000))
-
-#if WG_IN_KIND == 1
-#define WG_TYPES ".f32.bf16.bf16"
-#define WG_CVT_X2 "cvt.rn.bf16x2.f32"
-#else
-#define WG_TYPES ".f32.f16.f16"
-#define WG_CVT_X2 "cvt.rn.f16x2.f32"
-#endif
+static_assert(WG_BQ == 128 && WG_BK == 128, "WG_BQ, WG_BK: the kernel is written for 128 x 128 tiles");
+static_assert(WG_THREADS == 32 * (4 + WG_CONSUMER_WARPS),
+              "WG_THREADS: one producer warpgroup and two consumer warpgroups");
+static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
+static_assert(WG_SMEM_BYTES == 1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES,
+              "WG_SMEM_BYTES disagrees with the kernel's Q | K stages | V stages | mbarriers");
+static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
 /* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
 struct __align__(64) wg_tensor_map {
@@ -82,11 +84,6 @@ struct __align__(64) wg_tensor_map {
                     "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
 #define WG_F64(a) WG_F8(a, 0), WG_F8(a, 8), WG_F8(a, 16), WG_F8(a, 24), \
                   WG_F8(a, 32), WG_F8(a, 40), WG_F8(a, 48), WG_F8(a, 56)
-
-__device__ __forceinline__ unsigned int wg_smem_addr(const void* p)
-{
-    return (unsigned int)__cvta_generic_to_shared(p);
-}
 
 /* ---- mbarriers and the bulk tensor copy ---- */
 
@@ -198,64 +195,12 @@ __device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, uns
     wg_commit();
 }
 
-/* ---- softmax ---- */
-
-/* 2^x on the special-function unit; subnormal results flush to zero, which
-   only drops probabilities below 2^-126. */
-__device__ __forceinline__ float wg_exp2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ unsigned int wg_pack(float lo, float hi)
-{
-    unsigned int r;
-    asm(WG_CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-/* Online-softmax step on one S tile held as wgmma accumulators: element i is
-   row g + 8 * ((i >> 1) & 1), column 8 * (i >> 2) + 2t + (i & 1) of the
-   warp's 16 rows. Masks keys >= seq, replaces s by exp2(s * scale_log2 - m),
-   updates the running max and sums, returns each row's rescale factor. */
-__device__ __forceinline__ void wg_softmax(float* s, float* m_run, float* l_run, float* corr, unsigned int key0,
-                                           unsigned int seq, unsigned int t, float scale_log2)
-{
-    if (key0 + WG_BK > seq) {
-        #pragma unroll
-        for (int i = 0; i < 64; i++) {
-            if (key0 + 8 * (i >> 2) + 2 * t + (i & 1) >= seq) s[i] = WG_NEG_INF;
-        }
-    }
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float tile_max = WG_NEG_INF;
-        #pragma unroll
-        for (int n = 0; n < 16; n++) tile_max = fmaxf(tile_max, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float m_new = fmaxf(m_run[r], tile_max * scale_log2);
-        corr[r] = wg_exp2(m_run[r] - m_new);
-        m_run[r] = m_new;
-        float row_sum = 0.f;
-        #pragma unroll
-        for (int n = 0; n < 16; n++) {
-            s[4 * n + 2 * r] = wg_exp2(fmaf(s[4 * n + 2 * r], scale_log2, -m_new));
-            s[4 * n + 2 * r + 1] = wg_exp2(fmaf(s[4 * n + 2 * r + 1], scale_log2, -m_new));
-            row_sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
-        }
-        l_run[r] = l_run[r] * corr[r] + row_sum;
-    }
-}
-
 /* P as the A operand of the next P.V: register 4kk + c holds keys 16kk.. of
    the layout wgmma expects, which is S's accumulator order pairwise. */
 __device__ __forceinline__ void wg_pack_p(unsigned int* p, const float* s)
 {
     #pragma unroll
-    for (int i = 0; i < 32; i++) p[i] = wg_pack(s[2 * i], s[2 * i + 1]);
+    for (int i = 0; i < 32; i++) p[i] = pk_pack2<WG_IN_KIND>(s[2 * i], s[2 * i + 1]);
 }
 
 /* ---- roles ---- */
@@ -278,7 +223,7 @@ struct wg_smem {
 __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 {
     wg_smem m;
-    m.base = (wg_smem_addr(raw) + 1023u) & ~1023u;
+    m.base = (pk_smem_addr(raw) + 1023u) & ~1023u;
     m.bars = m.base + (1 + 2 * WG_STAGES) * WG_TILE_BYTES;
     return m;
 }
@@ -313,7 +258,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
 
     float o[64], s[64], corr[2];
     unsigned int p[32];
-    float m_run[2] = {WG_NEG_INF, WG_NEG_INF};
+    float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
     float l_run[2] = {0.f, 0.f};
     #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
@@ -325,7 +270,8 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     wg_wait<0>();
     wg_pin(s);
     wg_release(m.k_free(0));
-    wg_softmax(s, m_run, l_run, corr, 0, seq, t, scale_log2);
+    pk_mask_tail<WG_BK / 8>(s, 0, seq, t);
+    pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
     wg_pack_p(p, s);
 
     for (unsigned int j = 1; j < n_tiles; j++) {
@@ -340,12 +286,12 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         wg_wait<1>();
         wg_pin(s);
         wg_release(m.k_free(st));
-        wg_softmax(s, m_run, l_run, corr, j * WG_BK, seq, t, scale_log2);
+        pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq, t);
+        pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
         wg_wait<0>();
         wg_pin(o);
         wg_release(m.v_free(prev));
-        #pragma unroll
-        for (int i = 0; i < 64; i++) o[i] *= corr[(i >> 1) & 1];
+        pk_rescale<WG_D / 8>(o, corr);
         wg_pack_p(p, s);
     }
     const unsigned int last = n_tiles - 1;
@@ -359,9 +305,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
     for (int r = 0; r < 2; r++) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float l = pk_quad_sum(l_run[r]);
         const unsigned int row = blockIdx.x * WG_BQ + rows0 + warp * 16 + g + 8 * r;
         if (row >= seq) continue;
         const float inv = 1.f / l;
@@ -369,7 +313,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
                               (unsigned long long)blockIdx.y * WG_D + 2 * t;
         #pragma unroll
         for (int n = 0; n < 16; n++) {
-            *(unsigned int*)(dst + 8 * n) = wg_pack(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+            pk_store2<WG_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
         }
     }
 }

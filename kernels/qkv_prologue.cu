@@ -11,7 +11,8 @@
    reads the text projections, the rest read the image projections (the
    single-stream blocks pass an empty text segment).
 
-   Launch geometry:
+   Launch geometry (PR_D, PR_IN_KIND, PR_OUT_KIND and PR_THREADS come from the
+   host as -D; a static_assert checks PR_THREADS against the 8 warps below):
        grid  = (seq, batch), block = PR_THREADS = 256 (8 warps)
        warp w handles the (tensor, head) items w, w+8, ... of 3 * num_heads;
        lane l holds dims 4l .. 4l+3 (lanes >= PR_D / 4 idle).
@@ -25,28 +26,28 @@
                 (0: f32, 1: bf16, 2: f16, written as raw bits)
    Precision: f32 throughout; a 16-bit output is rounded once, to nearest even. */
 
-#ifndef PR_D
-#define PR_D 128
-#endif
-#ifndef PR_IN_KIND
-#define PR_IN_KIND 1
-#endif
-#ifndef PR_OUT_KIND
-#define PR_OUT_KIND 0
-#endif
-#define PR_THREADS 256
-#define PR_WARPS (PR_THREADS / 32)
-#define PR_LANES (PR_D / 4)
+#include "common.cuh"
 
+#if !defined(PR_D) || !defined(PR_IN_KIND) || !defined(PR_OUT_KIND) || !defined(PR_THREADS)
+#error "qkv_prologue.cu needs -D PR_D, PR_IN_KIND, PR_OUT_KIND and PR_THREADS from the host"
+#endif
 #if PR_D % 4 != 0 || PR_D > 128
 #error "PR_D must be a multiple of 4, at most 128"
 #endif
+#if PR_IN_KIND < 0 || PR_IN_KIND > 2 || PR_OUT_KIND < 0 || PR_OUT_KIND > 2
+#error "PR_IN_KIND and PR_OUT_KIND must be 0 (float32), 1 (bfloat16) or 2 (float16)"
+#endif
+
+#define PR_WARPS 8
+#define PR_LANES (PR_D / 4)
+static_assert(PR_THREADS == PR_WARPS * 32, "PR_THREADS: the kernel runs 8 warps");
+
+typedef pk_storage<PR_IN_KIND>::type pr_in_t;
+typedef pk_storage<PR_OUT_KIND>::type pr_out_t;
 
 #if PR_IN_KIND == 0
-typedef float pr_in_t;
 __device__ __forceinline__ float4 pr_load4(const pr_in_t* p) { return *(const float4*)p; }
 #else
-typedef unsigned short pr_in_t;
 __device__ __forceinline__ float pr_to_f32(unsigned int bits16)
 {
 #if PR_IN_KIND == 1
@@ -64,34 +65,6 @@ __device__ __forceinline__ float4 pr_load4(const pr_in_t* p)
                        pr_to_f32(raw.y & 0xffffu), pr_to_f32(raw.y >> 16));
 }
 #endif
-
-#if PR_OUT_KIND == 0
-typedef float pr_out_t;
-__device__ __forceinline__ void pr_store4(pr_out_t* p, float4 x) { *(float4*)p = x; }
-#else
-typedef unsigned short pr_out_t;
-__device__ __forceinline__ unsigned int pr_pack2(float lo, float hi)
-{
-    unsigned int r;
-#if PR_OUT_KIND == 1
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-__device__ __forceinline__ void pr_store4(pr_out_t* p, float4 x)
-{
-    *(uint2*)p = make_uint2(pr_pack2(x.x, x.y), pr_pack2(x.z, x.w));
-}
-#endif
-
-__device__ __forceinline__ float pr_warp_sum(float x)
-{
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    return x;
-}
 
 extern "C" __global__ void __launch_bounds__(PR_THREADS)
 qkv_prologue(
@@ -132,7 +105,7 @@ qkv_prologue(
         if (tensor < 2) {
             const float* w = tensor == 0 ? (text ? wq_txt : wq_img) : (text ? wk_txt : wk_img);
             const float eps = tensor == 0 ? eps_q : eps_k;
-            const float ss = pr_warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
+            const float ss = pk_warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
             const float r = rsqrtf(ss / (float)PR_D + eps);
             if (lane < PR_LANES) {
                 const float4 wv = *(const float4*)(w + d);
@@ -143,7 +116,7 @@ qkv_prologue(
         }
         if (lane < PR_LANES) {
             pr_out_t* dst = tensor == 0 ? q_out : tensor == 1 ? k_out : v_out;
-            pr_store4(dst + (((unsigned long long)b * num_heads + h) * seq + n) * PR_D + d, x);
+            pk_store4<PR_OUT_KIND>(dst + (((unsigned long long)b * num_heads + h) * seq + n) * PR_D + d, x);
         }
     }
 }

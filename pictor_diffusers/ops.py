@@ -1,12 +1,12 @@
 """The public attention entry point and its torch custom op.
 
-`attention()` validates once and runs the kernel directly in eager mode, the
-fast path for host overhead. Under `torch.compile`, or when autograd would
-record the call, it goes through `torch.ops.pictor.attention`, which is opaque
-to the compiler (it has a fake implementation for tracing), so compiled
-FLUX.2 graphs keep it as one node with no graph break, and whose backward
-raises "inference-only". Both run the same implementation, which is
-capturable in CUDA graphs.
+`attention()` validates once and, in eager mode, runs the kernel directly: the
+path that keeps host overhead low. Under `torch.compile`, or when autograd
+would record the call, it goes through `torch.ops.pictor.attention` instead.
+That op is opaque to the compiler (a fake implementation serves tracing), so
+compiled FLUX.2 graphs keep it as one node with no graph break; its backward
+raises "inference-only"; being public, it validates its own inputs. Both run
+the same implementation, which is capturable in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -30,10 +30,21 @@ def _attention_impl(
     return online_softmax_attention(*upcast, scale).to(out_dtype)
 
 
+def _validated(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
+) -> None:
+    check_attention_inputs(query, key, value)
+    check_kernel_choice(kernel, query.dtype, out_dtype)
+    check_scale(scale)
+
+
 @torch.library.custom_op("pictor::attention", mutates_args=())
 def _attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
 ) -> torch.Tensor:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {tuple(OUT_DTYPES)}, got {out_dtype!r}")
+    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
     return _attention_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
 
 
@@ -97,10 +108,9 @@ def attention(
     (`pictor_diffusers.reference`).
     """
     check_attention_inputs(query, key, value)
-    if out_dtype is None:
-        out_dtype = query.dtype
-    check_kernel_choice(kernel, query.dtype, out_dtype)
+    out_dtype = query.dtype if out_dtype is None else out_dtype
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    check_kernel_choice(kernel, query.dtype, out_dtype)
     check_scale(scale)
     if needs_op(query, key, value):
         return torch.ops.pictor.attention(query, key, value, scale, kernel, str(out_dtype).removeprefix("torch."))

@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing.models import KLEIN_4B_CONFIG, build_transformer, set_stock_processors, transformer_inputs
+from pictor_diffusers.testing.timing import median_ms
 
 pytestmark = pytest.mark.gpu
 
@@ -76,16 +77,9 @@ def test_torch_compile_fullgraph() -> None:
 
 
 def _forward_ms(model: torch.nn.Module, inputs: dict, repeats: int = 5) -> tuple[torch.Tensor, float]:
+    """(output, median ms of `repeats` forwards after it, host time included)."""
     out = model(**inputs)[0]
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = model(**inputs)[0]
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return out, sorted(times)[len(times) // 2]
+    return out, median_ms(lambda: model(**inputs), warmup=0, timed=repeats, hold=False)
 
 
 @pytest.fixture(scope="module")
