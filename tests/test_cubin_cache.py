@@ -134,7 +134,7 @@ def test_key_change_makes_a_new_file(primary: Path) -> None:
     assert first.exists() and second.exists()
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o000, 0o277])
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o277], ids="{:04o}".format)
 def test_created_folders_are_0700_and_files_0600(tmp_path: Path, primary: Path, umask: int) -> None:
     old = os.umask(umask)
     try:
@@ -145,7 +145,7 @@ def test_created_folders_are_0700_and_files_0600(tmp_path: Path, primary: Path, 
     assert f"{mode(path):04o}" == "0600"
 
 
-@pytest.mark.parametrize("folder_mode", [0o700, 0o750, 0o755])
+@pytest.mark.parametrize("folder_mode", [0o700, 0o750, 0o755], ids="{:04o}".format)
 def test_existing_private_folder_is_used_as_is(primary: Path, folder_mode: int) -> None:
     plant(entry(primary), folder_mode=folder_mode)
     build = Build()
@@ -161,44 +161,47 @@ def test_invalid_cached_content_is_rebuilt(primary: Path, content: bytes) -> Non
     assert path == entry(primary) and path.read_bytes() == BUILT and build.calls == 1
 
 
-@pytest.mark.parametrize("folder_mode", [0o777, 0o770, 0o720, 0o702])
-def test_group_or_other_writable_folder_is_refused(primary: Path, folder_mode: int) -> None:
-    plant(entry(primary), folder_mode=folder_mode)
+MODES = ["0777", "0770", "0720", "0702"]
+UNSAFE_FOLDERS = [*MODES, "foreign-simulated", pytest.param("chown", marks=needs_root), "symlink", "dangling-symlink"]
+
+
+def plant_unsafe_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: Callable[[], Path], kind: str) -> Path:
+    """Plant the folder `where()` names, holding a valid entry, made unsafe as `kind` says; return its path."""
+    if kind == "foreign-simulated":
+        monkeypatch.setattr(os, "getuid", lambda: OTHER_UID)
+    folder = where()
+    if kind.endswith("symlink"):
+        if kind == "symlink":
+            plant(entry(tmp_path / "elsewhere"))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        return folder
+    plant(entry(folder), folder_mode=int(kind, 8) if kind.isdigit() else 0o700)
+    if kind == "chown":
+        os.chown(folder, OTHER_UID, OTHER_UID)
+    return folder
+
+
+@pytest.mark.parametrize("kind", UNSAFE_FOLDERS)
+@pytest.mark.parametrize("which", ["user cache", "fallback"])
+def test_unsafe_folder_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, primary: Path, which: str, kind: str
+) -> None:
+    if which == "fallback":
+        fail_writes(monkeypatch, [primary], "mkdir")
+        folder = plant_unsafe_folder(
+            monkeypatch, tmp_path, lambda: Path(tempfile.gettempdir()) / f"pictor-diffusers-{os.getuid()}", kind
+        )
+    else:
+        folder = plant_unsafe_folder(monkeypatch, tmp_path, lambda: primary, kind)
     build = Build()
     with pytest.raises(UnsafeCacheError) as caught:
         cached_binary("kernel", "key", build, is_valid)
     message = str(caught.value)
-    assert str(primary) in message and f"mode {folder_mode:04o}" in message and f"uid {os.getuid()}" in message
-    assert "chmod 700" in message and CACHE_ENV in message and caught.value.path == primary
-    assert build.calls == 0 and entry(primary).read_bytes() == PLANTED
-
-
-@pytest.mark.parametrize("how", ["simulated", pytest.param("chown", marks=needs_root)])
-def test_folder_owned_by_another_user_is_refused(monkeypatch: pytest.MonkeyPatch, primary: Path, how: str) -> None:
-    plant(entry(primary))
-    owner = os.getuid()
-    if how == "chown":
-        os.chown(primary, OTHER_UID, OTHER_UID)
-        owner = OTHER_UID
-    else:
-        monkeypatch.setattr(os, "getuid", lambda: OTHER_UID)
-    build = Build()
-    with pytest.raises(UnsafeCacheError, match=f"owner uid {owner}") as caught:
-        cached_binary("kernel", "key", build, is_valid)
-    assert str(primary) in str(caught.value) and "not by you" in str(caught.value) and build.calls == 0
-
-
-@pytest.mark.parametrize("dangling", [False, True])
-def test_symlinked_folder_is_refused(tmp_path: Path, primary: Path, dangling: bool) -> None:
-    target = tmp_path / "elsewhere"
-    if not dangling:
-        plant(entry(target))
-    primary.parent.mkdir()
-    primary.symlink_to(target, target_is_directory=True)
-    build = Build()
-    with pytest.raises(UnsafeCacheError, match="symbolic link") as caught:
-        cached_binary("kernel", "key", build, is_valid)
-    assert str(primary) in str(caught.value) and build.calls == 0
+    assert caught.value.path == folder and str(folder) in message and build.calls == 0
+    assert "chmod 700" in message and CACHE_ENV in message
+    reason = {"foreign-simulated": "not by you", "chown": f"owner uid {OTHER_UID}"}.get(kind, f"mode {kind}")
+    assert ("symbolic link" if kind.endswith("symlink") else reason) in message
 
 
 @pytest.mark.parametrize(
@@ -255,29 +258,6 @@ def test_fallback_is_ignored_on_an_ordinary_miss(primary: Path, fallback: Path) 
     path = cached_binary("kernel", "key", build, is_valid)
     assert path == entry(primary) and path.read_bytes() == BUILT and build.calls == 1
     assert planted.read_bytes() == PLANTED
-
-
-@pytest.mark.parametrize("kind", ["writable", "foreign-simulated", pytest.param("chown", marks=needs_root), "symlink"])
-def test_planted_fallback_folder_is_refused(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, primary: Path, fallback: Path, kind: str
-) -> None:
-    fail_writes(monkeypatch, [primary], "mkdir")
-    if kind == "symlink":
-        plant(entry(tmp_path / "elsewhere"))
-        fallback.parent.mkdir()
-        fallback.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    elif kind == "foreign-simulated":
-        monkeypatch.setattr(os, "getuid", lambda: OTHER_UID)
-        fallback = fallback.with_name(f"pictor-diffusers-{OTHER_UID}")
-        plant(entry(fallback))
-    else:
-        plant(entry(fallback), folder_mode=0o777 if kind == "writable" else 0o700)
-        if kind == "chown":
-            os.chown(fallback, OTHER_UID, OTHER_UID)
-    build = Build()
-    with pytest.raises(UnsafeCacheError) as caught:
-        cached_binary("kernel", "key", build, is_valid)
-    assert caught.value.path == fallback and str(fallback) in str(caught.value) and build.calls == 0
 
 
 def test_both_unwritable_names_both_folders(monkeypatch: pytest.MonkeyPatch, primary: Path, fallback: Path) -> None:
