@@ -1,10 +1,11 @@
 /* common.cuh: device helpers shared by the pictor-diffusers kernels.
 
-   Every kernels/*.cu includes this header as "common.cuh": the host hands it
-   to NVRTC in memory under that name, and nvcc builds pass -I kernels. All
-   helpers are __device__ __forceinline__ and named pk_*; none reads a
-   kernel's -D geometry (sizes come in as template arguments), so a kernel's
-   machine code is what it would be with the helper written out in place.
+   Every kernel source in kernels/ includes this header as "common.cuh": the
+   host hands it to NVRTC in memory under that name, and nvcc builds pass
+   -I kernels. All helpers are __device__ __forceinline__ and named pk_*;
+   none reads a kernel's -D geometry (sizes come in as template arguments),
+   so a kernel's machine code is what it would be with the helper written
+   out in place.
 
      Reductions   pk_warp_sum (32 lanes), pk_quad_sum, pk_quad_max (the four
                   lanes t = lane & 3 that share a row of an mma accumulator)
@@ -105,8 +106,9 @@ __device__ __forceinline__ void pk_mask_tail(float* s, unsigned int key0, unsign
        corr[ri]  = 2^(m_run - m_new)
        s         = 2^(scale_log2 * s - m_new)
        l_run     = l_run * corr + sum of the thread's new s in the row
-   m_run starts at -inf: the first tile's corr is 2^-inf = 0 with no test,
-   since every tile holds a valid key for every row and m_new is finite.
+   Empty-row guard: m_run starts at -inf and every tile holds at least one
+   valid key (pk_mask_tail leaves it finite), so m_new is finite and the
+   first tile's corr is 2^-inf = 0 exactly, with no branch.
    FAST picks 2^x as in pk_exp2_by. */
 template <int NT, int MT, bool FAST>
 __device__ __forceinline__ void pk_online_softmax(float* s, float* m_run, float* l_run, float* corr,

@@ -42,8 +42,8 @@
 #define FA_WARPS 4u
 #define FA_RPW 2u                    /* query rows per warp */
 #define FA_MAXDPL ((FA_DMAX + 31u) / 32u)  /* head dims held per lane */
-static_assert(FA_THREADS == FA_WARPS * 32u, "FA_THREADS: the kernel runs 4 warps");
-static_assert(FA_BQ == FA_WARPS * FA_RPW, "FA_BQ: each of the 4 warps owns 2 query rows");
+static_assert(FA_THREADS == FA_WARPS * 32u, "FA_THREADS must be 128u: the kernel runs 4 warps");
+static_assert(FA_BQ == FA_WARPS * FA_RPW, "FA_BQ must be 8u: 4 warps of 2 query rows");
 static_assert(FA_BK >= 1u && FA_DMAX >= 1u, "FA_BK and FA_DMAX must be positive");
 
 /* Running-max start value. The first key of a row always replaces it

@@ -69,8 +69,8 @@
 #define MH_PSTEPS (MH_BK / 16)            /* k16 steps of O += P V */
 #define MH_OTILES (MH_D / 8)              /* n8 tiles of O per m16 tile */
 #define MH_RSTEP (MH_THREADS / MH_CHUNKS) /* rows one pass of the block copies */
-static_assert(MH_THREADS == MH_WARPS * 32, "MH_THREADS: the kernel runs 4 warps");
-static_assert(MH_BQ == MH_WARPS * 32, "MH_BQ: each warp owns two m16 tiles of query rows");
+static_assert(MH_THREADS == MH_WARPS * 32, "MH_THREADS must be 128: the kernel runs 4 warps");
+static_assert(MH_BQ == MH_WARPS * 32, "MH_BQ must be 128: 4 warps of 32 query rows");
 static_assert(MH_BK % 16 == 0 && MH_BK % MH_RSTEP == 0,
               "MH_BK: whole k16 steps of P V, and a K/V tile splits evenly over the threads");
 static_assert(MH_SMEM_BYTES == MH_Q_BYTES + 2 * MH_KV_BYTES,
@@ -122,6 +122,19 @@ __device__ __forceinline__ void mh_mma(float* c, const unsigned int* a, unsigned
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Both m16 tiles of A times the two n8 tiles of one ldmatrix.x4 B load:
+   c[mt][n], c[mt][n + 1] += a[mt] b. */
+template <int N>
+__device__ __forceinline__ void mh_mma_2x2(float (&c)[2][N][4], int n, const unsigned int (&a)[2][4],
+                                           const unsigned int (&b)[4])
+{
+    #pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        mh_mma(c[mt][n], a[mt], b[0], b[1]);
+        mh_mma(c[mt][n + 1], a[mt], b[2], b[3]);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(MH_THREADS, 2)
@@ -201,11 +214,7 @@ joint_attention_mma16(
             for (int p = 0; p < MH_STILES / 2; p++) {
                 unsigned int bk[4];
                 mh_ldsm(k_addr + p * 16 * MH_LDB + ks * 32, bk);
-                #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mh_mma(s[mt][2 * p], a[mt], bk[0], bk[1]);
-                    mh_mma(s[mt][2 * p + 1], a[mt], bk[2], bk[3]);
-                }
+                mh_mma_2x2(s, 2 * p, a, bk);
             }
         }
 
@@ -235,11 +244,7 @@ joint_attention_mma16(
             for (int p = 0; p < MH_OTILES / 2; p++) {
                 unsigned int bv[4];
                 mh_ldsm_trans(v_addr + kk * 16 * MH_LDB + p * 32, bv);
-                #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mh_mma(o[mt][2 * p], pa[mt], bv[0], bv[1]);
-                    mh_mma(o[mt][2 * p + 1], pa[mt], bv[2], bv[3]);
-                }
+                mh_mma_2x2(o, 2 * p, pa, bv);
             }
         }
     }

@@ -63,8 +63,8 @@
 #define FT_PV_CHUNK 4                   /* output tiles per fresh P.V accumulator */
 #define FT_F4_ROW (FT_D / 4)
 #define FT_F4_PER_THREAD (FT_BK * FT_F4_ROW / FT_THREADS)
-static_assert(FT_THREADS == FT_WARPS * 32, "FT_THREADS: the kernel runs 8 warps");
-static_assert(FT_BQ == FT_WARPS * 16, "FT_BQ: each warp owns one m16 tile of query rows");
+static_assert(FT_THREADS == FT_WARPS * 32, "FT_THREADS must be 256: the kernel runs 8 warps");
+static_assert(FT_BQ == FT_WARPS * 16, "FT_BQ must be 128: 8 warps of 16 query rows");
 static_assert(FT_BK % 8 == 0 && FT_BK * FT_F4_ROW % FT_THREADS == 0,
               "FT_BK: whole n8 tiles, and a K/V tile splits evenly over the threads");
 static_assert(FT_NTILES_O % FT_PV_CHUNK == 0, "FT_PV_CHUNK must divide the output tiles");
@@ -262,6 +262,8 @@ joint_attention_tf32x3(
         const float inv = 1.f / l_run[r];
         ft_out_t* dst = out + ((unsigned long long)b * seq + row) * inner + (unsigned long long)h * FT_D + 2 * t;
         #pragma unroll
-        for (int j = 0; j < FT_NTILES_O; j++) pk_store2<FT_OUT_KIND>(dst + j * 8, o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+        for (int j = 0; j < FT_NTILES_O; j++) {
+            pk_store2<FT_OUT_KIND>(dst + j * 8, o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+        }
     }
 }

@@ -45,7 +45,7 @@
 
 #if !defined(WG_D) || !defined(WG_IN_KIND) || !defined(WG_BQ) || !defined(WG_BK) || !defined(WG_STAGES) \
     || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)
-#error "flash_attn_wgmma.cu needs -D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and WG_SMEM_BYTES from the host"
+#error "flash_attn_wgmma.cu needs -D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS, WG_SMEM_BYTES from the host"
 #endif
 #if WG_D != 128
 #error "the wgmma kernel is built for head_dim 128 only"
@@ -62,9 +62,10 @@
 #define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
 #define WG_TILE_BYTES (2 * WG_SLAB_BYTES)    /* 128 rows x 128 columns */
 #define WG_BARRIER_BYTES (8 * (1 + 4 * WG_STAGES))
-static_assert(WG_BQ == 128 && WG_BK == 128, "WG_BQ, WG_BK: the kernel is written for 128 x 128 tiles");
+static_assert(WG_BQ == 128 && WG_BK == 128,
+              "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
 static_assert(WG_THREADS == 32 * (4 + WG_CONSUMER_WARPS),
-              "WG_THREADS: one producer warpgroup and two consumer warpgroups");
+              "WG_THREADS must be 384: one producer and two consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
 static_assert(WG_SMEM_BYTES == 1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES,
               "WG_SMEM_BYTES disagrees with the kernel's Q | K stages | V stages | mbarriers");

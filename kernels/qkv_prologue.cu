@@ -40,7 +40,7 @@
 
 #define PR_WARPS 8
 #define PR_LANES (PR_D / 4)
-static_assert(PR_THREADS == PR_WARPS * 32, "PR_THREADS: the kernel runs 8 warps");
+static_assert(PR_THREADS == PR_WARPS * 32, "PR_THREADS must be 256: the kernel runs 8 warps");
 
 typedef pk_storage<PR_IN_KIND>::type pr_in_t;
 typedef pk_storage<PR_OUT_KIND>::type pr_out_t;

@@ -49,7 +49,8 @@ def _compile(variant: Variant, target: str, cubin: bool) -> bytes:
     from cupy_backends.cuda.libs import nvrtc
 
     source = variant.spec.source
-    program = nvrtc.createProgram(read_source(source), source, list(header_texts()), list(HEADERS))
+    headers = [text.encode() for text in header_texts()]
+    program = nvrtc.createProgram(read_source(source), source, headers, [name.encode() for name in HEADERS])
     try:
         try:
             nvrtc.compileProgram(program, [f"--gpu-architecture={target}", *variant.options()])
