@@ -28,23 +28,25 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIRST_CALL = """
-import sys, time, torch
+import os, sys, time, torch
 from pictor_diffusers import attention
 q = torch.randn(1, 2, 64, 128, device="cuda").to(getattr(torch, sys.argv[1]))
 torch.cuda.synchronize()
 start = time.perf_counter()
 attention(q, q, q)
 torch.cuda.synchronize()
-print(time.perf_counter() - start)
+print(time.perf_counter() - start, len(os.listdir(os.environ["PICTOR_CACHE_DIR"])))
 """
 
 
-def first_call_seconds(cache_dir: str, dtype: torch.dtype) -> float:
-    """Wall time of the first attention() call in a fresh process using `cache_dir` for both caches."""
+def first_call_seconds(cache_dir: str, dtype: torch.dtype) -> tuple[float, int]:
+    """(wall time of the first attention() call in a fresh process using `cache_dir` for both caches,
+    files in the cache after it: a cold call must have compiled and stored its kernel)."""
     env = {**os.environ, "CUPY_CACHE_DIR": cache_dir, "PICTOR_CACHE_DIR": cache_dir}
     command = [sys.executable, "-c", FIRST_CALL, str(dtype).removeprefix("torch.")]
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
-    return float(result.stdout.strip().splitlines()[-1])
+    seconds, files = result.stdout.strip().splitlines()[-1].split()
+    return float(seconds), int(files)
 
 
 def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, float]:
@@ -100,8 +102,8 @@ def main() -> None:
     records = []
     for name, dtype in DTYPES.items():
         with tempfile.TemporaryDirectory() as cache:
-            cold = first_call_seconds(cache, dtype)
-            warm = first_call_seconds(cache, dtype)
+            cold, cached_files = first_call_seconds(cache, dtype)
+            warm, _ = first_call_seconds(cache, dtype)
         host_us, kernel_us = per_call_overhead(dtype)
         prologue_us = per_call_prologue_overhead(dtype)
         records.append(
@@ -111,6 +113,7 @@ def main() -> None:
                 "gpu": torch.cuda.get_device_name(),
                 "first_call_cold_cache_s": cold,
                 "first_call_warm_cache_s": warm,
+                "cached_files_after_cold_call": cached_files,
                 "host_us_per_call": host_us,
                 "kernel_us_per_call_graph_replay": kernel_us,
                 "prologue_host_us_per_call": prologue_us,

@@ -152,8 +152,9 @@ def qkv_prologue_cuda(
 
     Args:
         projections: [q_txt, k_txt, v_txt, q_img, k_img, v_img], each `[B, n, H*D]`
-            in the model dtype (strided views allowed; n_txt may be 0).
-        weights: f32 `[D]` norm weights [q_txt, k_txt, q_img, k_img].
+            in the model dtype (strided views allowed; n_txt may be 0), or
+            [q, k, v] of one segment.
+        weights: f32 `[D]` norm weights [q_txt, k_txt, q_img, k_img], or [q, k].
         rope: [cos, sin], f32 contiguous `[N, D]`, or [] for no RoPE.
         eps: the four norms' eps.
         out_dtype: float32, bfloat16 or float16 for the outputs.
@@ -162,18 +163,21 @@ def qkv_prologue_cuda(
         q, k, v: contiguous `[B, H, N, D]` in `out_dtype`.
     """
     head_dim = weights[0].shape[0]
+    if len(projections) == 3:  # one segment: the kernel's text part is empty
+        text_len, projections, weights, eps = 0, [*projections, *projections], [*weights, *weights], [*eps, *eps]
+    else:
+        text_len = projections[0].shape[1]
+        if text_len == 0:
+            projections = [*projections[3:], *projections[3:]]
     text, image = projections[0], projections[3]
-    batch, text_len, seq = image.shape[0], text.shape[1], text.shape[1] + image.shape[1]
-    heads = image.shape[-1] // head_dim
-    device = image.device
-    outs = tuple(torch.empty((batch, heads, seq, head_dim), dtype=out_dtype, device=device) for _ in range(3))
+    batch, image_len, width = image.shape
+    seq, heads, device = text_len + image_len, width // head_dim, image.device
+    outs = torch.empty((3, batch, heads, seq, head_dim), dtype=out_dtype, device=device).unbind(0)
     variant = prologue_variant(head_dim, DTYPE_NAMES[image.dtype], DTYPE_NAMES[out_dtype])
-    if text_len == 0:
-        projections = [*projections[3:], *projections[3:]]
-    rope_tensors = tuple(rope) if rope else (weights[0], weights[0])
-    pointers = tuple(t.data_ptr() for t in (*projections, *weights, *rope_tensors, *outs))
-    strides = (text.stride(1), text.stride(0), image.stride(1), image.stride(0))
-    scalars = (text_len, seq, heads, eps[2], eps[3], int(bool(rope)))
+    rope_tensors = rope if rope else (weights[0], weights[0])
+    pointers = [t.data_ptr() for t in (*projections, *weights, *rope_tensors, *outs)]
+    (text_batch, text_row, _), (image_batch, image_row, _) = text.stride(), image.stride()
+    scalars = [text_row, text_batch, image_row, image_batch, text_len, seq, heads, eps[2], eps[3], int(bool(rope))]
     runtime.launch(
         runtime.function(variant, device.index),
         device.index,
@@ -181,7 +185,7 @@ def qkv_prologue_cuda(
         variant.spec.threads,
         0,
         _PROLOGUE_SIGNATURE,
-        pointers + strides + scalars,
+        pointers + scalars,
     )
     return outs
 

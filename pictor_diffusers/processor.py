@@ -1,4 +1,4 @@
-"""`PictorAttn`: one diffusers attention processor for every FLUX.2 attention.
+"""`PictorAttn`: one diffusers attention processor for every FLUX.2 and FLUX.1 attention.
 
     transformer.set_attn_processor(PictorAttn())
 
@@ -7,7 +7,11 @@ serves both module types of `Flux2Transformer2DModel`:
 * `Flux2Attention` (double-stream blocks): separate or fused
   (`fuse_qkv_projections()`) Q/K/V projections for image and text tokens;
 * `Flux2ParallelSelfAttention` (single-stream blocks): QKV fused with the MLP
-  input projection, attention and MLP outputs projected together.
+  input projection, attention and MLP outputs projected together;
+
+and `FluxAttention`, every attention of FLUX.1's `FluxTransformer2DModel`
+(double-stream, and attention-only `pre_only` single-stream blocks; see
+`pictor_diffusers.flux1`, which matches stock `FluxAttnProcessor`).
 
 The math is that of diffusers' stock `Flux2AttnProcessor` /
 `Flux2ParallelSelfAttnProcessor`: projections, QK RMSNorm, [text, image] token
@@ -33,8 +37,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers.models.transformers.transformer_flux import FluxAttention
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
+from .flux1 import flux1_attention
 from .ops import attention
 from .prologue import Rope, Segment, pack_head_major
 from .registry import kernels_for
@@ -97,7 +103,8 @@ class PictorAttn:
         precision: "fp32" (parity, default), "bf16", "fp16" or "auto" (the
             model's 16-bit dtype where it has one); see the module docstring.
 
-    Serves `Flux2Attention` and `Flux2ParallelSelfAttention`; anything else,
+    Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
+    `FluxAttention`; anything else,
     an attention mask, FLUX.2's reference-image KV cache, or an unknown
     keyword raises an error that names it. CUDA tensors need CuPy (the
     `cuda12` / `cuda13` extras); CPU tensors run the pure-torch twins of the
@@ -150,7 +157,11 @@ class PictorAttn:
             return self._single_stream(attn, hidden_states, **_bind(args, _SINGLE_STREAM_ARGS, given))
         if isinstance(attn, Flux2Attention):
             return self._double_stream(attn, hidden_states, **_bind(args, _DOUBLE_STREAM_ARGS, given))
-        raise TypeError(f"PictorAttn serves Flux2Attention and Flux2ParallelSelfAttention, not {type(attn).__name__}")
+        if isinstance(attn, FluxAttention):
+            return flux1_attention(self._attend, attn, hidden_states, **_bind(args, _DOUBLE_STREAM_ARGS, given))
+        raise TypeError(
+            f"PictorAttn serves Flux2Attention, Flux2ParallelSelfAttention and FluxAttention, not {type(attn).__name__}"
+        )
 
     def _attend(self, segments: list[Segment], head_dim: int, rope: Rope | None) -> torch.Tensor:
         """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype."""

@@ -67,18 +67,19 @@ def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tup
 def pack_head_major_torch(
     projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure-torch prologue; same arguments as `pictor::qkv_prologue`.
+    """Pure-torch prologue; same arguments as `pictor::qkv_prologue` (3 or 6 projections).
 
     Returns q, k, v as contiguous float32 `[B, H, N, D]`.
     """
     head_dim = weights[0].shape[0]
-    text, image = projections[:3], projections[3:]
-    q_parts, k_parts = [], []
-    for segment, (w_q, w_k), (eps_q, eps_k) in ((text, weights[:2], eps[:2]), (image, weights[2:], eps[2:])):
+    segments = [(projections[i : i + 3], weights[j : j + 2], eps[j : j + 2]) for i, j in ((0, 0), (3, 2))]
+    q_parts, k_parts, v_parts = [], [], []
+    for segment, (w_q, w_k), (eps_q, eps_k) in segments[: len(projections) // 3]:
         q_parts.append(F.rms_norm(segment[0].unflatten(-1, (-1, head_dim)).float(), (head_dim,), w_q, eps_q))
         k_parts.append(F.rms_norm(segment[1].unflatten(-1, (-1, head_dim)).float(), (head_dim,), w_k, eps_k))
+        v_parts.append(segment[2])
     query, key = torch.cat(q_parts, dim=1), torch.cat(k_parts, dim=1)
-    value = torch.cat([text[2], image[2]], dim=1).unflatten(-1, (-1, head_dim)).float()
+    value = torch.cat(v_parts, dim=1).unflatten(-1, (-1, head_dim)).float()
     if rope:
         query, key = apply_rope(query, (rope[0], rope[1])), apply_rope(key, (rope[0], rope[1]))
     return tuple(t.transpose(1, 2).contiguous() for t in (query, key, value))
@@ -92,7 +93,7 @@ def _prologue_impl(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernel where the layout allows it, else the torch twin."""
-    if projections[3].device.type == "cuda" and prologue_layout_problem(projections, weights, rope, eps) is None:
+    if projections[-1].device.type == "cuda" and prologue_layout_problem(projections, weights, rope, eps) is None:
         return qkv_prologue_cuda(projections, weights, rope, eps, dtype)
     return tuple(t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
 
@@ -116,9 +117,9 @@ def _prologue_op_fake(
     eps: list[float],
     out_dtype: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    text, image = projections[0], projections[3]
-    head_dim = weights[0].shape[0]
-    shape = (image.shape[0], image.shape[-1] // head_dim, text.shape[1] + image.shape[1], head_dim)
+    image, head_dim = projections[-1], weights[0].shape[0]
+    seq = sum(p.shape[1] for p in projections[::3])
+    shape = (image.shape[0], image.shape[-1] // head_dim, seq, head_dim)
     return tuple(image.new_empty(shape, dtype=_DTYPES[out_dtype]) for _ in range(3))
 
 
@@ -148,11 +149,10 @@ def pack_head_major(
     if dtype not in _DTYPES.values():
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
     image = segments[-1]
-    text = segments[0] if len(segments) == 2 else Segment(*(t[:, :0] for t in image[:3]), image.norm_q, image.norm_k)
-    norms = (text.norm_q, text.norm_k, image.norm_q, image.norm_k)
+    norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
     params = [norm_params(norm, head_dim, image.query) for norm in norms]
     rope_list = [t.to(device=image.query.device, dtype=torch.float32).contiguous() for t in rope] if rope else []
-    projections = [*text[:3], *image[:3]]
+    projections = [t for segment in segments for t in segment[:3]]
     weights, eps = [w for w, _ in params], [e for _, e in params]
     if needs_op(*projections):
         return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, str(dtype).removeprefix("torch."))

@@ -15,6 +15,7 @@ against it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -184,7 +185,7 @@ class Variant:
     in_dtype: str
     out_dtype: str
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"{self.spec.name}_d{self.head_dim}_{self.in_dtype}_to_{self.out_dtype}"
 
@@ -275,7 +276,7 @@ def blocker(spec: KernelSpec, problem: Problem) -> str | None:
 
 def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec, bool]]:
     """(spec, upcast) in the order tried: the requested kernel, or the family's "auto" order;
-    16-bit "auto" ends with the f32 kernels on upcast inputs."""
+    16-bit "auto" ends with the f32 kernels on upcast inputs (fresh float32 copies, so aligned)."""
     family = family_of(problem.in_dtype)
     if kernel != "auto":
         return [(BY_NAME[kernel], False)]
@@ -300,7 +301,8 @@ def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str,
     rejected: list[tuple[str, str]] = []
     for spec, upcast in _candidates(problem, kernel):
         in_dtype = "float32" if upcast else problem.in_dtype
-        reason = disabled.get(spec.name) or blocker(spec, replace(problem, in_dtype=in_dtype))
+        as_run = replace(problem, in_dtype="float32", aligned=True) if upcast else problem
+        reason = disabled.get(spec.name) or blocker(spec, as_run)
         if reason is None:
             writes = spec.writes(in_dtype)
             out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
@@ -332,6 +334,7 @@ PROLOGUE = KernelSpec(
 """The fused QK-norm / RoPE / head-major prologue (grid: one block per token and batch)."""
 
 
+@functools.cache
 def prologue_variant(head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
     """The prologue build for `head_dim`, reading `in_dtype` projections and writing `out_dtype`."""
     if head_dim not in PROLOGUE.head_dims:

@@ -128,9 +128,15 @@ def prologue_layout_problem(
     The kernel reads 4-element vectors, so every row and batch stride must be a
     multiple of 4 elements and every base 4-element aligned; q/k/v of a segment
     share strides; all projections share one dtype; text and image norms share eps.
+    Takes the op's arguments: 6 projections and 4 norms ([text, image]) or 3 and 2 (one segment).
     """
     if _prologue_layout_plain(projections, weights, rope, eps):
         return None
+    if len(projections) == 3:
+        projections = [*(p[:, :0] for p in projections), *projections]
+        weights, eps = [*weights, *weights], [*eps, *eps]
+    if len(projections) != 6 or len(weights) != 4 or len(eps) != 4:
+        return f"expected 3 or 6 projections with 2 or 4 norms, got {len(projections)} and {len(weights)}"
     shape_problem = _prologue_shape_problem(projections, weights, rope)
     if shape_problem is not None:
         return shape_problem
@@ -156,33 +162,38 @@ def prologue_layout_problem(
 def _prologue_layout_plain(
     projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
 ) -> bool:
-    """The layout FLUX.2's processors produce, accepted in few operations; False sends the
+    """The layouts FLUX.2's processors produce, accepted in few operations; False sends the
     call through the detailed checks, which say what is off."""
-    image, text = projections[3], projections[0]
-    device, dtype, (batch, _, width) = image.get_device(), image.dtype, image.shape
+    image = projections[-1]
+    device, dtype, image_shape = image.device, image.dtype, image.shape
     head_dim = weights[0].shape[0]
-    if dtype not in _PROLOGUE_DTYPES or head_dim % 4 or head_dim > 128 or width % head_dim:
+    if dtype not in _PROLOGUE_DTYPES or head_dim % 4 or head_dim > 128 or image_shape[2] % head_dim:
         return False
-    if eps[0] != eps[2] or eps[1] != eps[3] or text.shape[0] != batch or text.shape[2] != width:
+    if len(projections) == 3 and len(weights) == 2 and len(eps) == 2:
+        segments, text_len = [(projections, image_shape)], 0
+    elif len(projections) == 6 and len(weights) == 4 and len(eps) == 4:
+        text_shape = projections[0].shape
+        segments, text_len = [(projections[:3], text_shape), (projections[3:], image_shape)], text_shape[1]
+        if eps[0] != eps[2] or eps[1] != eps[3] or text_shape[0] != image_shape[0] or text_shape[2] != image_shape[2]:
+            return False
+    else:
         return False
     vector = 4 * image.element_size()
-    for segment in (projections[:3], projections[3:]):
-        shape, stride = segment[0].shape, segment[0].stride()
+    for segment, shape in segments:
+        stride = segment[0].stride()
         if stride[2] != 1 or stride[0] % 4 or stride[1] % 4:
             return False
         for p in segment:
-            if p.dtype != dtype or p.shape != shape or p.stride() != stride or p.data_ptr() % vector:
+            if p.dtype != dtype or p.shape != shape or p.stride() != stride or p.device != device:
                 return False
-            if p.get_device() != device:
+            if p.data_ptr() % vector:
                 return False
-    seq = text.shape[1] + image.shape[1]
-    tables = ((weights, (head_dim,)), (rope, (seq, head_dim)))
-    for tensors, shape in tables:
-        for t in tensors:
-            if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous() or t.data_ptr() % 16:
-                return False
-            if t.get_device() != device:
-                return False
+    tables = [(w, (head_dim,)) for w in weights] + [(r, (text_len + image_shape[1], head_dim)) for r in rope]
+    for t, shape in tables:
+        if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous() or t.device != device:
+            return False
+        if t.data_ptr() % 16:
+            return False
     return len(rope) in (0, 2)
 
 

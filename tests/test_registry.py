@@ -43,7 +43,7 @@ CASES = [
     (("float16", None, 128, H200, True), ("wgmma", False, 128, "float16")),
     (("bfloat16", None, 64, H200, True), ("mma16", False, 64, "bfloat16")),
     (("bfloat16", None, 128, A100, True), ("mma16", False, 128, "bfloat16")),
-    (("bfloat16", None, 128, H200, False), ("f32", True, 128, "float32")),
+    (("bfloat16", None, 128, H200, False), ("tf32x3", True, 128, "bfloat16")),
     (("bfloat16", None, 96, A100, True), ("tf32x3", True, 96, "bfloat16")),
     (("float16", None, 32, T4, True), ("f32", True, 128, "float32")),
     (("float32", None, 128, H200, True), ("tf32x3", False, 128, "float32")),
@@ -114,7 +114,7 @@ def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: b
         assert (in_dtype, head_dim, device) in {(d, 384, "T4") for d in ("float32", "bfloat16", "float16")}, error
         assert re.search(r"f32( \(upcast\))?: needs 98304 bytes of shared memory per block", str(error))
         return
-    run_as = Problem(**{**given.__dict__, "in_dtype": "float32"}) if selection.upcast else given
+    run_as = Problem(**{**given.__dict__, "in_dtype": "float32", "aligned": True}) if selection.upcast else given
     assert blocker(selection.variant.spec, run_as) is None
     assert selection.variant.head_dim >= head_dim
     assert selection.variant.spec.family == ("fp32" if in_dtype == "float32" or selection.upcast else "16bit")

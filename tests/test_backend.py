@@ -1,0 +1,401 @@
+"""pictor as a diffusers attention backend ("pictor", "pictor_bf16", "pictor_fp16"), on CPU.
+
+* registration: enum members, registry rows, no context parallelism, idempotent;
+  feature detection of diffusers' private layout (unknown layouts warn, change
+  nothing); DIFFUSERS_ATTN_BACKEND naming a pictor backend.
+* direct calls through `dispatch_attention_fn`: float32 within 1e-5 of native;
+  16-bit inputs as accurate as native SDPA; the op runs once per served call.
+* fallbacks: each unsupported feature runs native (bitwise the same output),
+  warns once naming it, and never runs pictor.
+* whole models: tiny FLUX.1 (served), Qwen-Image with a padding mask (falls
+  back), Wan (self-attention served, text cross-attention Nq != Nk falls back),
+  via `set_attention_backend` and the `attention_backend` context manager.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import os
+import subprocess
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
+from diffusers.models import attention_dispatch as dispatch
+from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend, dispatch_attention_fn
+from test_flux1 import attention_modules, build_flux1, count_pictor_calls, flux1_inputs, rel_l2
+
+import pictor_diffusers.backend as backend_module
+from pictor_diffusers import register_backends
+from pictor_diffusers.backend import BACKENDS
+
+Registry = dispatch._AttentionBackendRegistry
+NAMES = list(BACKENDS)
+SHAPES = [(1, 46, 2, 32), (2, 130, 3, 64), (1, 1, 1, 8), (1, 257, 2, 128)]  # [B, N, H, D]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_state() -> Iterator[None]:
+    """Forget the one-time warnings; restore diffusers' global active backend afterwards."""
+    backend_module._WARNED.clear()
+    active = Registry._active_backend
+    yield
+    Registry._active_backend = active
+
+
+def qkv(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator).to(dtype) for _ in range(3)]
+
+
+def sdpa64(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """float64 SDPA of `[B, N, H, D]` inputs, `[B, N, H, D]` out."""
+    out = F.scaled_dot_product_attention(*(t.double().transpose(1, 2) for t in (query, key, value)))
+    return out.transpose(1, 2)
+
+
+def pictor_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "pictor-diffusers" in str(w.message)]
+
+
+def test_registered_backends() -> None:
+    for name in NAMES:
+        member = AttentionBackendName(name)
+        assert member.value == name and AttentionBackendName[name.upper()] is member and member in AttentionBackendName
+        assert Registry._backends[member]._pictor_backend == name
+        assert Registry._supported_arg_names[member] == Registry._supported_arg_names[AttentionBackendName.NATIVE]
+        assert not Registry._is_context_parallel_available(member)
+    size, functions = len(AttentionBackendName), [Registry._backends[AttentionBackendName(n)] for n in NAMES]
+    assert register_backends() == tuple(NAMES)
+    assert len(AttentionBackendName) == size
+    assert functions == [Registry._backends[AttentionBackendName(n)] for n in NAMES]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_parity_direct(shape: tuple[int, ...], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    query, key, value = qkv(shape, dtype)
+    exact, native = sdpa64(query, key, value), dispatch_attention_fn(query, key, value, backend="native")
+    for name, compute in BACKENDS.items():
+        with count_pictor_calls(monkeypatch) as calls, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = dispatch_attention_fn(query, key, value, backend=name)
+        assert calls[0] == 1 and not pictor_warnings(caught), f"{name} did not serve the call"
+        assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+        error = rel_l2(out, exact)
+        if compute == torch.float32 and dtype == torch.float32:
+            assert rel_l2(out, native) <= 1e-5
+        elif compute == torch.float32:  # f32-accurate, rounded once: at least as good as native 16-bit SDPA
+            assert error <= rel_l2(native, exact) + 1e-6, f"{name} {error:.3e} vs native {rel_l2(native, exact):.3e}"
+        else:  # native SDPA on the same once-rounded inputs, returned in the same dtype
+            rounded = dispatch_attention_fn(*(t.to(compute) for t in (query, key, value)), backend="native").to(dtype)
+            bound = 1.5 * rel_l2(rounded, exact) + 1e-6
+            assert error <= bound, f"{name} on {dtype}: {error:.3e} > {bound:.3e}"
+
+
+def fallback_case(reason: str) -> dict:
+    """Keyword arguments for `dispatch_attention_fn` that pictor must not serve, by reason."""
+    query, key, value = qkv((2, 20, 4, 16))
+    call = {"query": query, "key": key, "value": value}
+    if reason == "attn_mask":
+        mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+        mask[0, ..., 13:] = False
+        call["attn_mask"] = mask
+    elif reason == "is_causal":
+        call["is_causal"] = True
+    elif reason == "dropout_p":
+        call["dropout_p"] = 0.5
+    elif reason == "kv_length":
+        call["key"], call["value"] = key[:, :7], value[:, :7]
+    elif reason == "heads":
+        call["key"], call["value"], call["enable_gqa"] = key[:, :, :2], value[:, :, :2], True
+    elif reason == "head_dim":
+        call.update(zip(("query", "key", "value"), qkv((1, 9, 1, 392)), strict=True))
+    elif reason == "dtype":
+        call.update({name: t.double() for name, t in call.items()})
+    elif reason == "scale":
+        call["scale"] = -0.25
+    elif reason == "autograd":
+        call["query"] = query.clone().requires_grad_(True)
+    return call
+
+
+FALLBACK_REASONS = "attn_mask is_causal dropout_p kv_length heads head_dim dtype scale autograd".split()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("reason", FALLBACK_REASONS)
+def test_fallback_matches_native_and_warns_once(reason: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    call = fallback_case(reason)
+    torch.manual_seed(5)
+    expected = dispatch_attention_fn(**call, backend="native")
+    with count_pictor_calls(monkeypatch) as calls, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = []
+        for _ in range(2):
+            torch.manual_seed(5)
+            outs.append(dispatch_attention_fn(**call, backend=name))
+    assert calls[0] == 0
+    messages = pictor_warnings(caught)
+    assert len(messages) == 1 and "native attention" in messages[0], messages
+    assert name in messages[0]
+    for out in outs:
+        assert torch.equal(out, expected), f"{reason}: the fallback is not native's result"
+    if reason == "autograd":
+        outs[0].sum().backward()
+        assert call["query"].grad is not None and torch.isfinite(call["query"].grad).all()
+
+
+def test_fallback_parallel_config_and_lse(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def spy_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.update(kwargs)
+        return query
+
+    monkeypatch.setitem(Registry._backends, AttentionBackendName.NATIVE, spy_native)
+    query, key, value = qkv((1, 8, 2, 16))
+    config = object()
+    pictor = Registry._backends[AttentionBackendName.PICTOR]
+    with pytest.warns(RuntimeWarning, match="context parallelism"):
+        assert pictor(query, key, value, _parallel_config=config) is query
+    assert seen["_parallel_config"] is config
+    with pytest.raises(NotImplementedError, match="return_lse"):
+        pictor(query, key, value, return_lse=True)
+
+
+def compare_backend(model: torch.nn.Module, inputs: dict, name: str, monkeypatch, use_context: bool):
+    """(native output, output through pictor backend `name`, pictor's served calls, pictor warnings)."""
+    with torch.no_grad():
+        native = model(**inputs)[0]
+        with count_pictor_calls(monkeypatch) as calls, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if use_context:
+                with attention_backend(name):
+                    out = model(**inputs)[0]
+            else:
+                model.set_attention_backend(name)
+                out = model(**inputs)[0]
+                model.reset_attention_backend()
+                Registry._active_backend = AttentionBackendName.NATIVE
+    assert out.shape == native.shape and out.dtype == native.dtype and torch.isfinite(out).all()
+    return native, out, calls[0], pictor_warnings(caught)
+
+
+@pytest.mark.parametrize("use_context", [False, True], ids=["set_attention_backend", "attention_backend"])
+@pytest.mark.parametrize(("batch", "latent_hw", "text_len"), [(1, (5, 7), 11), (2, (11, 12), 9)], ids=["46", "141"])
+def test_flux1_served(batch, latent_hw, text_len, use_context: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_flux1()
+    inputs = flux1_inputs(model, batch, latent_hw, text_len)
+    native, out, calls, messages = compare_backend(model, inputs, "pictor", monkeypatch, use_context)
+    assert calls == attention_modules(model) and not messages
+    assert rel_l2(out, native) <= 1e-5
+    with torch.no_grad(), count_pictor_calls(monkeypatch) as after:
+        assert torch.equal(model(**inputs)[0], native)
+    assert after[0] == 0, "the backend stayed active after reset / leaving the context"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_flux1_low_precision(dtype: torch.dtype, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model32 = build_flux1()
+    with torch.no_grad():
+        reference = model32(**flux1_inputs(model32, 2, (5, 7), 11))[0]
+    model = copy.deepcopy(model32).to(dtype)
+    native, out, calls, _ = compare_backend(model, flux1_inputs(model, 2, (5, 7), 11), name, monkeypatch, False)
+    assert calls == attention_modules(model)
+    bound = 2.0 * rel_l2(native, reference) + 1e-4
+    assert rel_l2(out, reference) <= bound
+
+
+QWEN_CONFIG = {
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 4,
+    "joint_attention_dim": 16,
+    "guidance_embeds": False,
+    "axes_dims_rope": (8, 4, 4),
+}
+
+
+def qwen_inputs(batch: int, masked: bool) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    mask = torch.ones(batch, 9, dtype=torch.long)
+    mask[0, 6:] = 0
+    return {
+        "hidden_states": torch.randn(batch, 4 * 5, 16, generator=generator),
+        "encoder_hidden_states": torch.randn(batch, 9, 16, generator=generator),
+        "encoder_hidden_states_mask": mask if masked else None,
+        "timestep": torch.full((batch,), 1.0),
+        "img_shapes": [(1, 4, 5)] * batch,
+        "return_dict": False,
+    }
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["padding-mask", "no-mask"])
+def test_qwen_image(masked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(**QWEN_CONFIG).eval()
+    native, out, calls, messages = compare_backend(model, qwen_inputs(2, masked), "pictor", monkeypatch, False)
+    if masked:
+        assert calls == 0 and len(messages) == 1 and "attn_mask" in messages[0]
+        assert torch.equal(out, native)
+        with torch.no_grad():
+            unmasked = model(**qwen_inputs(2, False))[0]
+        assert rel_l2(unmasked, native) > 1e-3, "the padding mask changes nothing: the check would be vacuous"
+    else:
+        assert calls == QWEN_CONFIG["num_layers"] and not messages
+        assert rel_l2(out, native) <= 1e-5
+
+
+WAN_CONFIG = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 16,
+    "freq_dim": 256,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "rope_max_seq_len": 32,
+}
+
+
+@pytest.mark.parametrize("use_context", [False, True], ids=["set_attention_backend", "attention_backend"])
+def test_wan_cross_attention_falls_back(use_context: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**WAN_CONFIG).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 2, 10, 14, generator=generator),  # 2 x 5 x 7 = 70 tokens
+        "encoder_hidden_states": torch.randn(1, 12, 16, generator=generator),
+        "timestep": torch.tensor([500]),
+        "return_dict": False,
+    }
+    native, out, calls, messages = compare_backend(model, inputs, "pictor", monkeypatch, use_context)
+    assert calls == WAN_CONFIG["num_layers"], "pictor must serve every self-attention"
+    assert len(messages) == 1 and "Nq=70 != Nk=12" in messages[0]
+    assert rel_l2(out, native) <= 1e-5
+
+
+def test_profiler_shows_pictor() -> None:
+    model = build_flux1()
+    inputs = flux1_inputs(model, 1, (5, 7), 11)
+    model.set_attention_backend("pictor")
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(**inputs)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("pictor::attention") == attention_modules(model), sorted(k for k in counts if "::" in k)
+
+
+def fake_names(*members: str) -> type[enum.Enum]:
+    return enum.Enum("AttentionBackendName", {m.upper(): m for m in members}, type=str)
+
+
+def fake_registry(names: type[enum.Enum], takes_cp_flag: bool = True, native: bool = True) -> type:
+    """A registry shaped like diffusers' (`register` of 0.36+ with `takes_cp_flag`, of 0.35 without)."""
+    registry = type("Registry", (), {"_backends": {}, "_constraints": {}, "_supported_arg_names": {}})
+    registry._active_backend = names("native")
+
+    def add(backend: enum.Enum, constraints: list | None, func: object) -> object:
+        registry._backends[backend], registry._constraints[backend] = func, constraints or []
+        registry._supported_arg_names[backend] = backend_module._parameters(func)
+        return func
+
+    def register(backend: enum.Enum, constraints: list | None = None, supports_context_parallel: bool = False):
+        return lambda func: add(backend, constraints, func)
+
+    def register_035(backend: enum.Enum, constraints: list | None = None):
+        return lambda func: add(backend, constraints, func)
+
+    registry.register = staticmethod(register if takes_cp_flag else register_035)
+    if native:
+        registry.register(names("native"))(lambda query, key, value, attn_mask=None, **_: value)
+    return registry
+
+
+def unknown_layout(kind: str) -> types.SimpleNamespace:
+    """A dispatcher module missing one piece of the private layout pictor relies on."""
+    names = fake_names("native")
+    layouts = {
+        "empty module": {},
+        "plain enum": {"AttentionBackendName": enum.Enum("N", {"NATIVE": "native"})},
+        "no native member": {"AttentionBackendName": fake_names("flash")},
+        "no registry": {"AttentionBackendName": names},
+        "no tables": {"AttentionBackendName": names, "_AttentionBackendRegistry": type("R", (), {})},
+        "no native backend": {
+            "AttentionBackendName": names,
+            "_AttentionBackendRegistry": fake_registry(names, native=False),
+        },
+    }
+    return types.SimpleNamespace(**layouts[kind])
+
+
+UNKNOWN_LAYOUTS = {
+    "empty module": "no str Enum",
+    "plain enum": "no str Enum",
+    "no native member": "a native member",
+    "no registry": "no _AttentionBackendRegistry",
+    "no tables": "lacks the tables",
+    "no native backend": "no native backend",
+}
+
+
+@pytest.mark.parametrize(("layout", "problem"), UNKNOWN_LAYOUTS.items(), ids=list(UNKNOWN_LAYOUTS))
+def test_unknown_layout_warns_and_changes_nothing(layout: str, problem: str) -> None:
+    fake = unknown_layout(layout)
+    names = getattr(fake, "AttentionBackendName", [])
+    size, real_size = len(names), len(AttentionBackendName)
+    with pytest.warns(RuntimeWarning, match="unknown layout") as caught:
+        assert register_backends(fake) == ()
+    assert problem in str(caught[0].message)
+    assert len(names) == size and len(AttentionBackendName) == real_size
+
+
+@pytest.mark.parametrize("takes_cp_flag", [True, False], ids=["0.36+", "0.35-register"])
+def test_registers_on_a_well_formed_fake(takes_cp_flag: bool) -> None:
+    names = fake_names("native", "flash")
+    fake = types.SimpleNamespace(
+        AttentionBackendName=names, _AttentionBackendRegistry=fake_registry(names, takes_cp_flag)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert register_backends(fake) == tuple(NAMES)
+    assert [m.value for m in names] == ["native", "flash", *NAMES]
+    query, key, value = qkv((1, 6, 2, 8))
+    served = fake._AttentionBackendRegistry._backends[names("pictor")](query, key, value)
+    assert rel_l2(served, sdpa64(query, key, value)) <= 1e-5
+    with pytest.warns(RuntimeWarning, match="attn_mask"):
+        assert fake._AttentionBackendRegistry._backends[names("pictor_bf16")](query, key, value, query) is value
+
+
+@pytest.mark.parametrize("env", ["pictor_bf16", "_native_math"])
+def test_diffusers_attn_backend_env(env: str) -> None:
+    """A pictor name becomes the active backend; diffusers' own names stay as diffusers set them."""
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import pictor_diffusers\n"
+        "from diffusers import FluxTransformer2DModel\n"
+        "from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R\n"
+        "print(R._active_backend.value)\n"
+    )
+    environment = {**os.environ, "DIFFUSERS_ATTN_BACKEND": env, "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == env
