@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="checkout A (its folder holds pictor_diffusers/ and kernels/)")
     parser.add_argument("--candidate", type=Path, default=Path(__file__).resolve().parents[1], help="checkout B")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rows", help="comma list of kernel:dtype (default: every pictor row)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.serve:
@@ -102,8 +103,9 @@ def main() -> None:
         return
     workers = {"A": Worker(args.baseline.resolve()), "B": Worker(args.candidate.resolve())}
     records = []
+    rows = [tuple(row.split(":")) for row in args.rows.split(",")] if args.rows else ROWS
     for shape in SHAPES:
-        for kernel, dtype in ROWS:
+        for kernel, dtype in rows:
             if kernel == "f32" and shape[2] > MAX_F32_SEQ:
                 continue
             request = " ".join(map(str, (kernel, dtype, *shape, *repetitions(kernel, shape))))

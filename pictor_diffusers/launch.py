@@ -172,7 +172,7 @@ def qkv_prologue_cuda(
     text, image = projections[0], projections[3]
     batch, image_len, width = image.shape
     seq, heads, device = text_len + image_len, width // head_dim, image.device
-    outs = torch.empty((3, batch, heads, seq, head_dim), dtype=out_dtype, device=device).unbind(0)
+    outs = [torch.empty((batch, heads, seq, head_dim), dtype=out_dtype, device=device) for _ in range(3)]
     variant = prologue_variant(head_dim, DTYPE_NAMES[image.dtype], DTYPE_NAMES[out_dtype])
     rope_tensors = rope if rope else (weights[0], weights[0])
     pointers = [t.data_ptr() for t in (*projections, *weights, *rope_tensors, *outs)]
@@ -187,7 +187,7 @@ def qkv_prologue_cuda(
         _PROLOGUE_SIGNATURE,
         pointers + scalars,
     )
-    return outs
+    return tuple(outs)
 
 
 def cannot_run(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -64,6 +64,13 @@ def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tup
     return weight.float(), float(eps)
 
 
+def _float_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A RoPE table as contiguous float32 on `device` (FLUX.2's already is: returned as is)."""
+    if table.dtype == torch.float32 and table.device == device and table.is_contiguous():
+        return table
+    return table.to(device=device, dtype=torch.float32).contiguous()
+
+
 def pack_head_major_torch(
     projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,7 +158,7 @@ def pack_head_major(
     image = segments[-1]
     norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
     params = [norm_params(norm, head_dim, image.query) for norm in norms]
-    rope_list = [t.to(device=image.query.device, dtype=torch.float32).contiguous() for t in rope] if rope else []
+    rope_list = [_float_table(t, image.query.device) for t in rope] if rope else []
     projections = [t for segment in segments for t in segment[:3]]
     weights, eps = [w for w, _ in params], [e for _, e in params]
     if needs_op(*projections):

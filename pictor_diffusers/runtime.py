@@ -1,8 +1,9 @@
 """The CUDA runtime side of a launch: CuPy, device facts, streams, loaded kernels.
 
-* Kernels are compiled by NVRTC to a cubin for the device's exact arch
-  (`nvrtc.cached_cubin`, one on-disk cache for every kernel), loaded once per
-  process and device by CuPy, and kept as raw `CUfunction` handles.
+* Kernels are compiled by NVRTC (`nvrtc.cached_module`: one on-disk cache for
+  every kernel; a cubin for arch-specific ones, PTX the driver compiles for
+  the others), loaded once per process and device by CuPy, and kept as raw
+  `CUfunction` handles.
 * `launch` calls `cuLaunchKernel` (CuPy's binding) with torch's device
   addresses on torch's current stream of the device: zero copy, no host sync,
   capturable in CUDA graphs. No stream object is cached or kept alive.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .nvrtc import cached_cubin, load_nvrtc_library
+from .nvrtc import cached_module, load_nvrtc_library
 from .registry import Variant
 
 CUPY_INSTALL_HINT = (
@@ -108,7 +109,7 @@ def _load(variant: Variant, device_index: int) -> tuple[Any, int]:
     cupy = import_cupy()
     load_nvrtc_library()
     capability, _ = device_facts(device_index)
-    path = cached_cubin(variant, variant.arch(capability))
+    path = cached_module(variant, capability)
     with cupy.cuda.Device(device_index):
         kernel = cupy.RawModule(path=str(path)).get_function(variant.spec.entry)
         shared = variant.spec.shared_bytes(variant.head_dim)

@@ -194,3 +194,20 @@ def test_sources_hold_the_entries() -> None:
         source = read_source(spec.source)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
         assert '#include "common.cuh"' in source, f"{spec.source} does not use the shared header"
+
+
+@needs_cupy
+@pytest.mark.parametrize("spec", KERNELS, ids=[s.name for s in KERNELS])
+def test_cached_module_format(spec: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arch-specific rows load a cubin; the others PTX for the device's arch, which the driver compiles."""
+    from pictor_diffusers import cubin_cache, nvrtc
+
+    monkeypatch.setenv(cubin_cache.CACHE_ENV, str(tmp_path))
+    variant = variants(spec)[0]
+    path = nvrtc.cached_module(variant, (9, 0))
+    data = path.read_bytes()
+    if spec.arch_suffix:
+        assert path.suffix == ".cubin" and data[:4] == b"\x7fELF"
+    else:
+        assert path.suffix == ".ptx" and f".entry {spec.entry}".encode() in data
+        assert re.search(rb"^\.target\s+sm_90\b", data, re.MULTILINE)
