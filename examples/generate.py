@@ -1,12 +1,13 @@
 """Text-to-image with FLUX.2 through PictorAttn.
 
-    python examples/generate.py --tiny                        # embedded default, any machine
-    python examples/generate.py --prompt "a red fox" --out fox.png   # FLUX.2-klein-4B weights
-    python examples/generate.py --tiny --compare              # PictorAttn against stock, same seed
-    python examples/generate.py --tiny --compare --precision bf16   # the 16-bit fast path
+    .venv/bin/python examples/generate.py --tiny                     # embedded default, any machine
+    .venv/bin/python examples/generate.py --prompt "a red fox"        # FLUX.2-klein-4B weights
+    .venv/bin/python examples/generate.py --tiny --compare            # PictorAttn against stock, same seed
+    .venv/bin/python examples/generate.py --tiny --compare --precision bf16   # the 16-bit fast path (CUDA)
 
-`--model` takes a hub id or a local directory holding any FLUX.2 or FLUX.2 [klein]
-pipeline; HF_HUB_OFFLINE=1 is respected. `--tiny` builds a small random-weight
+Images go to outputs/ in the current directory unless --out names a path.
+--model takes a hub id or a local directory holding any FLUX.2 or FLUX.2 [klein]
+pipeline; HF_HUB_OFFLINE=1 is respected. --tiny builds a small random-weight
 pipeline in code (examples/tiny_flux2.py): its pictures are noise, but it runs
 the real denoising loop through PictorAttn.
 """
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,39 +31,162 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import PictorAttn
 
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+DEFAULT_OUT = Path("outputs") / "flux2_pictor.png"
+SIZE_MULTIPLE = 16
+"""FLUX.2 latents are 2x2 patches of the VAE's 8x-downsampled pixels."""
+CPU_NOTE = (
+    "note: these are CPU timings. They swing widely between identical runs (other processes, thread scheduling, "
+    "clock changes), and on the CPU PictorAttn runs its pure-torch reference, not the CUDA kernels: "
+    "compare speed on a GPU."
+)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local pipeline directory")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Appends each option's default; an option whose default depends on others states it in its own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every option has help text, and --help shows every default."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local FLUX.2 pipeline directory")
     parser.add_argument("--tiny", action="store_true", help="embedded random-weight pipeline (no download)")
-    parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn, oil painting")
-    parser.add_argument("--height", type=int)
-    parser.add_argument("--width", type=int)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--guidance", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the CPU torch.Generator")
-    parser.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cpu-offload", action="store_true", help="enable_model_cpu_offload()")
-    parser.add_argument("--compare", action="store_true", help="also run the stock processor, same seed")
+    parser.add_argument(
+        "--prompt",
+        default="a lighthouse on a cliff at dawn, oil painting",
+        help="text prompt; with --tiny (no text encoder) it seeds the synthetic prompt embeddings",
+    )
+    for side in ("height", "width"):
+        parser.add_argument(
+            f"--{side}",
+            type=int,
+            help=f"image {side} in pixels, a multiple of {SIZE_MULTIPLE} (default: 256 with --tiny, else 1024)",
+        )
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps; the first is timed as warm-up")
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        help="guidance scale (default: 1.0 for step-wise distilled models such as FLUX.2 [klein], "
+        "which ignore guidance; else 4.0)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the CPU torch.Generator that draws the noise")
+    parser.add_argument("--dtype", choices=DTYPES, help="model dtype (default: bf16 on CUDA, fp32 on the CPU)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to run on"
+    )
+    parser.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="enable_model_cpu_offload(): keep models on the CPU, move each to the CUDA device while it runs "
+        "(needs accelerate, in the examples extra)",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the stock processor with the same seed: writes <out>_stock.png and <out>_diff.png, "
+        "|PictorAttn - stock| stretched so the largest difference is full brightness, and prints their distance",
+    )
     parser.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16", "auto"),
         default="fp32",
-        help="PictorAttn(precision=...): fp32 parity path (default) or the 16-bit fast path",
+        help="PictorAttn(precision=...): fp32 parity path, or the 16-bit fast path (CUDA only); "
+        "auto: the model dtype's 16-bit path for bf16/fp16 models, else fp32",
     )
-    parser.add_argument("--out", type=Path, default=Path("flux2_pictor.png"))
-    args = parser.parse_args()
-    args.dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
-    size, steps = (256, 4) if args.tiny else (1024, 4)
-    args.height, args.width, args.steps = args.height or size, args.width or size, args.steps or steps
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="image path; --compare writes its images beside it"
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="show diffusers/transformers log messages and Python warnings"
+    )
+    return parser
+
+
+def _size_error(option: str, value: int) -> str:
+    lower = max(value // SIZE_MULTIPLE * SIZE_MULTIPLE, SIZE_MULTIPLE)
+    nearest = f"{lower}" if value < SIZE_MULTIPLE else f"{lower} or {lower + SIZE_MULTIPLE}"
+    return f"{option} must be a positive multiple of {SIZE_MULTIPLE}, got {value}; try {nearest}"
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with a usage error that names the value, for any input the run could not honour."""
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    for option, value in (("--height", args.height), ("--width", args.width)):
+        if value is not None and (value <= 0 or value % SIZE_MULTIPLE):
+            parser.error(_size_error(option, value))
+    if args.cpu_offload:
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--cpu-offload needs the accelerate package, which the examples extra installs: "
+                f"{sys.executable} -m pip install accelerate"
+            )
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        parser.error(
+            f"--device {args.device!r}: torch {torch.__version__} ({build}) finds no CUDA device; use --device cpu"
+        )
+    if args.cpu_offload and not on_cuda:
+        parser.error(f"--cpu-offload moves each model to a CUDA device while it runs; --device is {args.device!r}")
+    if args.attention_precision != "fp32" and not on_cuda:
+        chosen = args.precision
+        if chosen == "auto":
+            chosen = f"auto with a {args.attention_precision} model (--dtype {args.attention_precision})"
+        parser.error(
+            f"--precision {chosen} runs the 16-bit CUDA kernels, but --device is {args.device!r}; "
+            "on the CPU use --precision fp32"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parsed, checked arguments with the model-dependent defaults filled in (guidance: once the model is known)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    dtype_name = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    args.dtype = DTYPES[dtype_name]
+    if args.precision == "auto":
+        args.attention_precision = dtype_name if dtype_name in ("bf16", "fp16") else "fp32"
+    else:
+        args.attention_precision = args.precision
+    check_args(parser, args)
+    size = 256 if args.tiny else 1024
+    args.height, args.width = args.height or size, args.width or size
     return args
 
 
-def load_pipeline(args: argparse.Namespace):
+def quiet(verbose: bool) -> None:
+    """Unless `verbose`: diffusers and transformers log only errors, and their Python warnings are hidden.
+
+    RuntimeWarnings stay visible: pictor's own (a kernel fallback, a CuPy/torch CUDA mismatch) are of that kind.
+    """
+    if verbose:
+        return
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        pass
+    else:
+        transformers_logging.set_verbosity_error()
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
+def load_pipeline(args: argparse.Namespace) -> DiffusionPipeline:
     """The pretrained pipeline, or SystemExit with a message that says how to get it."""
     from diffusers import DiffusionPipeline
 
@@ -71,17 +197,26 @@ def load_pipeline(args: argparse.Namespace):
             f"Could not load FLUX.2 weights from {args.model!r}: {error}\n"
             f"Download them first (accept the model's license on the Hub, then "
             f"`hf download {args.model}`), or pass --model with a local pipeline directory.\n"
-            "Without weights, `python examples/generate.py --tiny` runs the embedded random-weight pipeline."
+            "Without weights, run this script with --tiny: the embedded random-weight pipeline."
         ) from error
 
 
-def generate(pipe, args: argparse.Namespace, processor: object) -> tuple[Image.Image, float]:
-    """One image with `processor` on every attention; returns (image, median ms per step)."""
-    pipe.transformer.set_attn_processor(processor)
-    stamps: list[float] = []
+def default_guidance(pipe: DiffusionPipeline) -> float:
+    """1.0 for step-wise distilled pipelines (FLUX.2 [klein] ignores guidance above 1 and warns), else 4.0."""
+    return 1.0 if getattr(pipe.config, "is_distilled", False) else 4.0
 
-    def on_step_end(_pipe, _step: int, _timestep: int, kwargs: dict) -> dict:
-        if torch.cuda.is_available():
+
+def generate(
+    pipe: DiffusionPipeline, args: argparse.Namespace, processor: object, label: str
+) -> tuple[Image.Image, list[float]]:
+    """One image with `processor` on every attention, under a progress bar named `label`; (image, ms per step)."""
+    pipe.transformer.set_attn_processor(processor)
+    pipe.set_progress_bar_config(desc=label)
+    stamps: list[float] = []
+    on_cuda = args.device.startswith("cuda")
+
+    def on_step_end(_pipe: DiffusionPipeline, _step: int, _timestep: int, kwargs: dict) -> dict:
+        if on_cuda:
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
         return kwargs
@@ -100,12 +235,19 @@ def generate(pipe, args: argparse.Namespace, processor: object) -> tuple[Image.I
         generator=torch.Generator().manual_seed(args.seed),
         callback_on_step_end=on_step_end,
     ).images[0]
-    steps = np.diff([start, *stamps]) * 1e3
-    return image, float(np.median(steps))
+    return image, (np.diff([start, *stamps]) * 1e3).tolist()
+
+
+def step_time(ms: list[float]) -> str:
+    """The median time per step after the first step (the warm-up: compiles, caches, prompt encoding)."""
+    if len(ms) < 2:
+        return f"{ms[0]:.1f} ms for its only step, warm-up included (--steps 2 or more to time steps after it)"
+    timed = "the step" if len(ms) == 2 else f"median of the {len(ms) - 1} steps"
+    return f"{float(np.median(ms[1:])):.1f} ms per step ({timed} after a warm-up step)"
 
 
 def compare_images(ours: Image.Image, stock: Image.Image, out: Path | None, label: str = "PictorAttn vs stock") -> None:
-    """Print max-abs, mean-abs and PSNR (8-bit scale); write the difference image if `out` is given."""
+    """Print max-abs, mean-abs and PSNR (8-bit scale); write the stretched difference image if `out` is given."""
     a = np.asarray(ours, dtype=np.float64)
     b = np.asarray(stock, dtype=np.float64)
     diff = np.abs(a - b)
@@ -115,34 +257,14 @@ def compare_images(ours: Image.Image, stock: Image.Image, out: Path | None, labe
     if out is None:
         return
     scale = 255.0 / max(diff.max(), 1.0)
-    Image.fromarray((diff * scale).astype(np.uint8)).save(out.with_name(out.stem + "_diff.png"))
-
-
-def main() -> None:
-    args = parse_args()
-    if args.tiny:
-        print("Embedded default: a small FLUX.2 [klein] pipeline with RANDOM weights; the picture is noise.")
-        pipe = tiny_pipeline(args.dtype)
+    Image.fromarray((diff * scale).astype(np.uint8)).save(out)
+    if diff.max() == 0:
+        print(f"wrote {out}: all black, the images are identical")
     else:
-        pipe = load_pipeline(args)
-    if args.cpu_offload:
-        pipe.enable_model_cpu_offload(device=args.device)
-    else:
-        pipe.to(args.device)
-
-    image, ms = generate(pipe, args, PictorAttn(precision=args.precision))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(args.out)
-    print(f"PictorAttn: {ms:.1f} ms per step, wrote {args.out}")
-    if args.compare:
-        stock_out = args.out.with_name(args.out.stem + "_stock.png")
-        stock, stock_ms = generate(pipe, args, stock_processors(pipe.transformer))
-        stock.save(stock_out)
-        print(f"stock: {stock_ms:.1f} ms per step, wrote {stock_out}")
-        compare_images(image, stock, args.out)
-        with sdpa_kernel(SDPBackend.MATH):
-            stock_math, _ = generate(pipe, args, stock_processors(pipe.transformer))
-        compare_images(stock_math, stock, None, "yardstick, stock with SDPA's math backend vs stock default")
+        print(
+            f"wrote {out}: |PictorAttn - stock| per pixel and colour channel, stretched x{scale:.0f} "
+            f"so the largest difference ({diff.max():.0f} of 255) is full brightness; black is identical"
+        )
 
 
 def stock_processors(transformer: torch.nn.Module) -> dict:
@@ -155,6 +277,40 @@ def stock_processors(transformer: torch.nn.Module) -> dict:
         single = type(module).__name__ == "Flux2ParallelSelfAttention"
         processors[name] = Flux2ParallelSelfAttnProcessor() if single else Flux2AttnProcessor()
     return processors
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    quiet(args.verbose)
+    if args.tiny:
+        print("Embedded default: a small FLUX.2 [klein] pipeline with RANDOM weights; the picture is noise.")
+        pipe = tiny_pipeline(args.dtype)
+    else:
+        pipe = load_pipeline(args)
+    if args.guidance is None:
+        args.guidance = default_guidance(pipe)
+    if args.cpu_offload:
+        pipe.enable_model_cpu_offload(device=args.device)
+    else:
+        pipe.to(args.device)
+
+    precision = args.attention_precision
+    image, ms = generate(pipe, args, PictorAttn(precision=args.precision), f"pictor {precision}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    image.save(args.out)
+    print(f"PictorAttn(precision={args.precision!r}): {step_time(ms)}; wrote {args.out}")
+    if args.compare:
+        stock_out = args.out.with_name(args.out.stem + "_stock.png")
+        stock, stock_ms = generate(pipe, args, stock_processors(pipe.transformer), "stock")
+        stock.save(stock_out)
+        print(f"stock: {step_time(stock_ms)}; wrote {stock_out}")
+        compare_images(image, stock, args.out.with_name(args.out.stem + "_diff.png"))
+        with sdpa_kernel(SDPBackend.MATH):
+            stock_math, _ = generate(pipe, args, stock_processors(pipe.transformer), "stock, SDPA math")
+        dtype = str(args.dtype).removeprefix("torch.")
+        compare_images(stock_math, stock, None, f"yardstick ({dtype} model), stock with SDPA's math backend vs default")
+    if not args.device.startswith("cuda"):
+        print(CPU_NOTE)
 
 
 if __name__ == "__main__":

@@ -123,17 +123,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def cached_binary(
-    name: str, key: str, build: Callable[[], bytes], is_valid: Callable[[bytes], bool], suffix: str = ".cubin"
-) -> Path:
-    """Path of a cached file `{name}-{sha256(key)[:24]}{suffix}`, built by `build()` on a miss.
+def cached_binary(name: str, key: str, build: Callable[[], bytes], is_valid: Callable[[bytes], bool]) -> Path:
+    """Path of a cached file `{name}-{sha256(key)[:24]}.cubin`, built by `build()` on a miss.
 
     Raises `UnsafeCacheError` for a folder another user owns or can write to, `RuntimeError` when
     neither the user's cache nor the temporary fallback can be written; `build`'s errors pass through.
     """
     if not name or Path(name).name != name or name.startswith("."):
         raise ValueError(f"cache entry name {name!r} must be a plain file name")
-    file_name = f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}{suffix}"
+    file_name = f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.cubin"
     data: bytes | None = None
     errors = []
     for folder in (cache_dir(), _fallback_dir()):

@@ -1,10 +1,9 @@
 """NVRTC compilation, with or without a GPU: PTX for inspection, cubins to run.
 
 * `compile_ptx`: the compile tests inspect every variant on a CPU-only machine.
-* `cached_module`: what a device loads, cached on disk by `cubin_cache`, keyed
-  by the source, the shared header, the options, the target and the NVRTC
-  version: a cubin for arch-specific kernels (`sm_90a` for wgmma), PTX that
-  the driver compiles at load for the others.
+* `cached_module`: the cubin a device loads, for its exact arch (`sm_90a` for
+  wgmma), cached on disk by `cubin_cache`, keyed by the source, the shared
+  header, the options, the arch and the NVRTC version.
 
 The shared header `kernels/common.cuh` reaches NVRTC in memory, so no include
 path is needed.
@@ -109,22 +108,10 @@ def cached_cubin(variant: Variant, arch: str) -> Path:
     return cached_binary(f"{variant.name}-{arch}", key, lambda: compile_cubin(variant, arch), _is_cubin)
 
 
-def cached_ptx(variant: Variant, arch: str) -> Path:
-    """Path of `variant`'s PTX for `arch`'s virtual architecture, compiled on a cache miss."""
-    entry = f".entry {variant.spec.entry}".encode()
-    key = _cache_key(variant, "ptx-" + arch)
-    build = lambda: compile_ptx(variant, arch).encode()  # noqa: E731
-    return cached_binary(f"{variant.name}-{arch}", key, build, lambda data: entry in data, ".ptx")
-
-
 def cached_module(variant: Variant, capability: tuple[int, int]) -> Path:
-    """What the runtime loads for a device of `capability`.
+    """The cubin a device of `capability` loads: for its exact arch, or `sm_90a` for arch-specific rows.
 
-    Arch-specific rows (wgmma: sm_90a) load an NVRTC cubin. The others load
-    PTX, which the driver compiles for the device when the module is loaded
-    (and caches in its own compute cache), as CuPy did for them before: the
-    3xTF32 kernel measured 1.5-5% slower from NVRTC's cubin than from the
-    driver's compile of the same PTX on the H200.
+    This is what CuPy did for these kernels before the registry (an NVRTC cubin for the device's
+    arch), with the same flags (the row's `flags`), so the machine code is the same.
     """
-    arch = variant.arch(capability)
-    return cached_cubin(variant, arch) if variant.spec.arch_suffix else cached_ptx(variant, arch)
+    return cached_cubin(variant, variant.arch(capability))

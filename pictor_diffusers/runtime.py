@@ -1,9 +1,8 @@
 """The CUDA runtime side of a launch: CuPy, device facts, streams, loaded kernels.
 
-* Kernels are compiled by NVRTC (`nvrtc.cached_module`: one on-disk cache for
-  every kernel; a cubin for arch-specific ones, PTX the driver compiles for
-  the others), loaded once per process and device by CuPy, and kept as raw
-  `CUfunction` handles.
+* Kernels are compiled by NVRTC to a cubin for the device's exact arch
+  (`nvrtc.cached_module`, one on-disk cache for every kernel), loaded once per
+  process and device by CuPy, and kept as raw `CUfunction` handles.
 * `launch` calls `cuLaunchKernel` (CuPy's binding) with torch's device
   addresses on torch's current stream of the device: zero copy, no host sync,
   capturable in CUDA graphs. No stream object is cached or kept alive.

@@ -1,6 +1,8 @@
-"""Shared pytest fixtures and markers: GPU tests skip cleanly without CUDA."""
+"""Shared pytest fixtures and markers: GPU tests skip cleanly without CUDA; one closing line says why tests skipped."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -15,3 +17,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+Report = pytest.TestReport | pytest.CollectReport
+
+
+def skip_reason(report: Report) -> str:
+    """The reason a test skipped, without pytest's "Skipped: " prefix, on one line."""
+    longrepr = report.longrepr
+    reason = (longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)).strip()
+    return reason.removeprefix("Skipped: ").splitlines()[0] if reason else "no reason given"
+
+
+def skip_summary(reports: list[Report]) -> str:
+    """'204 skipped: needs a CUDA device (200), needs ptxas (4)': the skips grouped by reason, most first."""
+    counts = Counter(skip_reason(report) for report in reports)
+    by_count = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    grouped = ", ".join(f"{reason} ({count})" for reason, count in by_count)
+    return f"{len(reports)} skipped: {grouped}"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    reports = terminalreporter.stats.get("skipped", [])
+    skipped = [report for report in reports if getattr(report, "count_towards_summary", True)]
+    if skipped:
+        terminalreporter.write_line(skip_summary(skipped))

@@ -1,4 +1,4 @@
-"""examples/generate.py --tiny runs end to end on the CPU: denoising loop, PNGs, comparison."""
+"""examples/generate.py --tiny runs end to end on the CPU: denoising loop, PNGs in outputs/, comparison, quiet."""
 
 from __future__ import annotations
 
@@ -13,22 +13,47 @@ pytest.importorskip("transformers", reason="the FLUX.2 pipelines import transfor
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "generate.py"
+DIFFUSERS_NOISE = ("should be kept in float32", "is ignored for step-wise distilled models")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
+    )
 
 
-def test_tiny_generation_with_compare(tmp_path: Path) -> None:
-    out = tmp_path / "img.png"
-    result = _run("--tiny", "--steps", "2", "--height", "128", "--width", "128", "--compare", "--out", str(out))
+def test_tiny_generation_with_compare_writes_only_to_outputs(tmp_path: Path) -> None:
+    result = _run("--tiny", "--steps", "2", "--height", "128", "--width", "128", "--compare", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "RANDOM weights" in result.stdout
     assert "PSNR" in result.stdout
-    for name in ("img.png", "img_stock.png", "img_diff.png"):
-        assert (tmp_path / name).stat().st_size > 0
+    assert "after a warm-up step" in result.stdout
+    assert "note: these are CPU timings" in result.stdout
+    assert "stretched" in result.stdout and "full brightness" in result.stdout
+    assert [path.name for path in tmp_path.iterdir()] == ["outputs"]
+    outputs = tmp_path / "outputs"
+    names = ("flux2_pictor.png", "flux2_pictor_stock.png", "flux2_pictor_diff.png")
+    assert sorted(path.name for path in outputs.iterdir()) == sorted(names)
+    for name in names:
+        assert (outputs / name).stat().st_size > 0
+    for noise in DIFFUSERS_NOISE:
+        assert noise not in result.stdout + result.stderr
+    for label in ("pictor fp32", "stock", "stock, SDPA math"):
+        assert f"{label}: 100%" in result.stderr, f"no progress bar labelled {label!r}"
+
+
+def test_verbose_shows_diffusers_logs_and_a_named_out_path_is_used(tmp_path: Path) -> None:
+    result = _run(
+        "--tiny", "--steps", "1", "--height", "32", "--width", "32", "--verbose", "--out", "named/x.png", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "should be kept in float32" in result.stderr, "--verbose did not bring diffusers' log back"
+    assert "is ignored for step-wise distilled models" not in result.stderr, "default guidance is wrong for klein"
+    assert "warm-up included" in result.stdout
+    assert [path.name for path in tmp_path.iterdir()] == ["named"]
+    assert (tmp_path / "named" / "x.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("model", ["black-forest-labs/FLUX.2-klein-4B", "/nonexistent/flux2-dir"])

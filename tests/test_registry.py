@@ -149,3 +149,11 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
         assert len(set(variant.options())) == len(variant.options())
     names = [v.name for v in variants(spec)]
     assert len(set(names)) == len(names)
+
+
+def test_compile_flags_match_the_pre_registry_builds() -> None:
+    """CuPy compiled the CuPy-launched kernels with -ftz=true; the registry keeps that explicitly
+    (same source, same options: the same machine code), and the wgmma cubin never had it."""
+    for spec in KERNELS:
+        assert spec.flags == (() if spec.name == "wgmma" else ("-ftz=true",)), spec.name
+        assert all(option in variants(spec)[0].options() for option in spec.flags)
