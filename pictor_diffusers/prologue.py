@@ -47,11 +47,18 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+_COMPUTED = object()
+
+
 def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(f32 weight `[D]`, eps) of a `torch.nn.RMSNorm`; TypeError names any other module."""
     if not isinstance(norm, torch.nn.RMSNorm):
         raise TypeError(f"PictorAttn expects torch.nn.RMSNorm QK norms, got {type(norm).__name__}")
-    weight = norm.weight
+    # A registered parameter is read straight from `_parameters` (Module.__getattr__ costs about
+    # 1 µs a call); a parametrized or otherwise computed weight goes through the attribute.
+    weight = norm._parameters.get("weight", _COMPUTED)
+    if weight is _COMPUTED:
+        weight = norm.weight
     if weight is None:
         weight = torch.ones(head_dim, device=like.device)
     if weight.device != like.device:

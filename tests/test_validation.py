@@ -307,3 +307,20 @@ def test_prologue_blocker_refuses_inconsistent_shapes(break_it, reason: str) -> 
     break_it(projections, weights, rope)
     problem = prologue_layout_problem(projections, weights, rope, [1e-6] * 4)
     assert problem is not None and reason in problem
+
+
+def test_norm_params_read_a_parametrized_weight() -> None:
+    """A weight computed by a parametrization is not in `_parameters`: it is read through the module."""
+    from torch.nn.utils import parametrize
+
+    from pictor_diffusers.prologue import norm_params
+
+    class Double(torch.nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return 2 * weight
+
+    norm = torch.nn.RMSNorm(8, eps=1e-5)
+    parametrize.register_parametrization(norm, "weight", Double())
+    weight, eps = norm_params(norm, 8, torch.zeros(1))
+    assert torch.equal(weight, torch.full((8,), 2.0)) and eps == 1e-5
+    assert torch.equal(norm_params(torch.nn.RMSNorm(8, elementwise_affine=False), 8, torch.zeros(1))[0], torch.ones(8))
