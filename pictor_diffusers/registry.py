@@ -167,7 +167,6 @@ KERNELS: tuple[KernelSpec, ...] = (
 """Every attention kernel, in the order "auto" tries them within a family."""
 
 BY_NAME: dict[str, KernelSpec] = {spec.name: spec for spec in KERNELS}
-FAMILIES = {"fp32": ("float32",), "16bit": HALF_DTYPES}
 KERNEL_CHOICES = ("auto", *BY_NAME)
 
 

@@ -4,7 +4,7 @@ A map is 128 opaque bytes encoded by the driver (`cuTensorMapEncodeTiled`,
 through ctypes) that the kernel takes by value (`__grid_constant__`). A map
 holds only an address, a shape and strides, so it stays valid for whatever
 tensor later lives at that address: maps are memoised by (address, shape,
-dtype) in a bounded LRU cache.
+dtype) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
 """
 
 from __future__ import annotations
