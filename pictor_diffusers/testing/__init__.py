@@ -1,7 +1,7 @@
 """Test and benchmark support, importable without path edits.
 
 * `references`: random q/k/v, the float64 attention reference, FLOP count, error metrics;
-* `models`: randomly initialised FLUX.2 transformers (tiny and production-shaped) and inputs;
+* `models`: randomly initialised FLUX.2 and FLUX.1 transformers (tiny and production-shaped) and inputs;
 * `timing`: CUDA-event medians.
 
 Nothing here is needed to use the plugin; it ships so that the tests and the

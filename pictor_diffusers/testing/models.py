@@ -1,14 +1,16 @@
-"""Randomly initialised FLUX.2 transformers and inputs for the tests and benchmarks.
+"""Randomly initialised FLUX.2 and FLUX.1 transformers and inputs for the tests and benchmarks.
 
 Weights come from the model's own initialisation under a fixed seed; nothing is
 downloaded. Token ids follow FLUX.2's layout: text ids count along axis 3,
-image ids hold (row, column) on axes 1 and 2.
+image ids hold (row, column) on axes 1 and 2. FLUX.1's ids have 3 axes, as its
+pipelines make them: image (0, row, column), text all zero.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import Flux2Transformer2DModel
+from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
 
 TINY_CONFIG = {
@@ -100,3 +102,76 @@ def set_stock_processors(model: Flux2Transformer2DModel) -> None:
         single = type(parent).__name__ == "Flux2ParallelSelfAttention"
         processors[name] = Flux2ParallelSelfAttnProcessor() if single else Flux2AttnProcessor()
     model.set_attn_processor(processors)
+
+
+FLUX1_DEV_CONFIG = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+"""FLUX.1-dev's transformer shape: 24 heads of 128, 19 double and 38 single blocks (11.9B parameters)."""
+
+FLUX1_TEXT_TOKENS = 512
+"""FLUX.1-dev's T5 sequence length."""
+
+
+def build_flux1_transformer(config: dict | None = None, seed: int = 0, **device_dtype) -> FluxTransformer2DModel:
+    """A FLUX.1 transformer with seeded random weights, in eval mode (default shape: FLUX.1-dev)."""
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(**(config or FLUX1_DEV_CONFIG))
+    return model.to(**device_dtype).eval()
+
+
+def flux1_ids(latent_hw: tuple[int, int], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image ids `[h*w, 3]` = (0, row, column), text ids `[text_len, 3]` = 0)."""
+    height, width = latent_hw
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    image = torch.zeros(height * width, 3)
+    image[:, 1] = rows.flatten()
+    image[:, 2] = cols.flatten()
+    return image, torch.zeros(text_len, 3)
+
+
+def flux1_transformer_inputs(
+    model: FluxTransformer2DModel,
+    batch: int,
+    latent_hw: tuple[int, int],
+    text_len: int = FLUX1_TEXT_TOKENS,
+    seed: int = 1,
+) -> dict:
+    """Random N(0,1) keyword inputs for a FLUX.1 `model.forward`, on the model's device and dtype.
+
+    `latent_hw` is the packed latent grid: a 1024² image is (64, 64), 4096 image tokens.
+    """
+    param = next(model.parameters())
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    height, width = latent_hw
+    hidden = torch.randn(batch, height * width, config.in_channels, generator=generator)
+    text = torch.randn(batch, text_len, config.joint_attention_dim, generator=generator)
+    pooled = torch.randn(batch, config.pooled_projection_dim, generator=generator)
+    image_ids, text_ids = flux1_ids(latent_hw, text_len)
+    inputs = {
+        "hidden_states": hidden.to(param.device, param.dtype),
+        "encoder_hidden_states": text.to(param.device, param.dtype),
+        "pooled_projections": pooled.to(param.device, param.dtype),
+        "timestep": torch.full((batch,), 0.5, device=param.device, dtype=param.dtype),
+        "img_ids": image_ids.to(param.device),
+        "txt_ids": text_ids.to(param.device),
+        "return_dict": False,
+    }
+    if config.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 3.5, device=param.device, dtype=param.dtype)
+    return inputs
+
+
+def set_flux1_stock_processors(model: FluxTransformer2DModel) -> None:
+    """Put diffusers' default FLUX.1 processor (on the dispatcher's active backend) on every attention module."""
+    model.set_attn_processor(FluxAttnProcessor())

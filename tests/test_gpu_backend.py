@@ -1,0 +1,163 @@
+"""A tiny FLUX.1 transformer on CUDA through pictor's backends and `PictorAttn`, against diffusers' native backend.
+
+Paths: `set_attention_backend("pictor" / "pictor_bf16")`, the
+`attention_backend(...)` context manager, and `PictorAttn()` /
+`PictorAttn(precision="bf16")`. head_dim 128, so the 16-bit paths reach the
+16-bit kernels (wgmma on Hopper). Launches of `launch.launch_attention` are
+counted by kernel family: every attention module runs exactly one pictor
+kernel of the path's family.
+
+* float32 model, f32-accurate paths: relative L2 <= 1e-5 to native.
+* bf16 model, every path: within 2x the distance between native and native on
+  SDPA's math backend (the yardstick of test_gpu_model16.py), + 1e-4.
+
+Token counts: 138 (not a multiple of 128) and 128, batch 1 and 2, separate and
+fused projections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry, attention_backend
+from diffusers.models.transformers.transformer_flux import FluxAttention
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pictor_diffusers import PictorAttn, launch
+from pictor_diffusers.testing.models import (
+    build_flux1_transformer,
+    flux1_transformer_inputs,
+    set_flux1_stock_processors,
+)
+
+pytestmark = pytest.mark.gpu
+
+TINY_FLUX1_D128 = {
+    "patch_size": 1,
+    "in_channels": 16,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 128,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "pooled_projection_dim": 16,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+FP32_REL_L2_TOL = 1e-5
+YARDSTICK_FACTOR, YARDSTICK_FLOOR = 2.0, 1e-4
+
+PATHS = {
+    "set_attention_backend-pictor": ("set_attention_backend", "pictor", "fp32"),
+    "set_attention_backend-pictor_bf16": ("set_attention_backend", "pictor_bf16", "16bit"),
+    "attention_backend-pictor_bf16": ("attention_backend", "pictor_bf16", "16bit"),
+    "PictorAttn-fp32": ("PictorAttn", "fp32", "fp32"),
+    "PictorAttn-bf16": ("PictorAttn", "bf16", "16bit"),
+}
+"""path id -> (how it is applied, backend name or PictorAttn precision, kernel family it must launch)."""
+
+# (batch, latent (height, width), text tokens)
+CASES = {"b1-138tok": (1, (9, 13), 21), "b2-128tok": (2, (8, 8), 64)}
+VARIANTS = [
+    pytest.param(dtype, path, id=f"{str(dtype).removeprefix('torch.')}-{path}")
+    for dtype in (torch.float32, torch.bfloat16)
+    for path in PATHS
+    if dtype == torch.bfloat16 or PATHS[path][2] == "fp32"
+]
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@contextmanager
+def count_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Launches of pictor's attention kernels inside the block, by kernel family ("fp32", "16bit")."""
+    calls = {"fp32": 0, "16bit": 0}
+    original = launch.launch_attention
+
+    def counting(variant: launch.Variant, *args: object) -> None:
+        calls[variant.spec.family] += 1
+        original(variant, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(launch, "launch_attention", counting)
+        yield calls
+
+
+@contextmanager
+def native_afterwards() -> Iterator[None]:
+    """Restore diffusers' global active backend (`set_attention_backend` also sets it)."""
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        yield
+    finally:
+        _AttentionBackendRegistry._active_backend = active
+
+
+@torch.no_grad()
+def native_outputs(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(native backend output, native output on SDPA's math backend) of the stock processor."""
+    set_flux1_stock_processors(model)
+    with attention_backend(AttentionBackendName.NATIVE):
+        native = model(**inputs)[0]
+        with sdpa_kernel(SDPBackend.MATH):
+            math = model(**inputs)[0]
+    return native, math
+
+
+@torch.no_grad()
+def run_path(model: torch.nn.Module, inputs: dict, path: str) -> torch.Tensor:
+    """The model's output through `path`; leaves the stock processor and the native backend behind."""
+    how, name, _ = PATHS[path]
+    with native_afterwards():
+        if how == "set_attention_backend":
+            model.set_attention_backend(name)
+            out = model(**inputs)[0]
+            model.reset_attention_backend()
+        elif how == "attention_backend":
+            with attention_backend(name):
+                out = model(**inputs)[0]
+        else:
+            model.set_attn_processor(PictorAttn(precision=name))
+            out = model(**inputs)[0]
+    set_flux1_stock_processors(model)
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("dtype", "path"), VARIANTS)
+def test_flux1_against_native(
+    dtype: torch.dtype, path: str, case: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build_flux1_transformer(TINY_FLUX1_D128, device="cuda", dtype=dtype)
+    if fused:
+        model.fuse_qkv_projections()
+    batch, latent_hw, text_len = CASES[case]
+    inputs = flux1_transformer_inputs(model, batch, latent_hw, text_len)
+    native, math = native_outputs(model, inputs)
+    with count_launches(monkeypatch) as calls:
+        ours = run_path(model, inputs, path)
+    family = PATHS[path][2]
+    modules = sum(isinstance(m, FluxAttention) for m in model.modules())
+    assert modules == TINY_FLUX1_D128["num_layers"] + TINY_FLUX1_D128["num_single_layers"]
+    other = "16bit" if family == "fp32" else "fp32"
+    assert calls[family] == modules and calls[other] == 0, f"{path}: launches {calls} for {modules} attentions"
+    assert ours.shape == native.shape == (batch, latent_hw[0] * latent_hw[1], TINY_FLUX1_D128["in_channels"])
+    assert ours.dtype == dtype and torch.isfinite(ours).all()
+
+    error, spread = rel_l2(ours, native), rel_l2(math, native)
+    print(f"{dtype} {path} {case} fused={fused}: rel L2 {error:.2e}, native vs math {spread:.2e}")
+    if dtype == torch.float32:
+        assert error <= FP32_REL_L2_TOL, f"rel L2 {error:.3e} to native > {FP32_REL_L2_TOL}"
+    else:
+        bound = YARDSTICK_FACTOR * spread + YARDSTICK_FLOOR
+        assert error <= bound, f"rel L2 {error:.3e} to native > {YARDSTICK_FACTOR} x native-vs-math {spread:.3e} + 1e-4"
+
+    with torch.no_grad(), count_launches(monkeypatch) as after:
+        model(**inputs)
+    assert after == {"fp32": 0, "16bit": 0}, f"pictor stayed active after {path}: {after}"
