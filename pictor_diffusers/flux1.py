@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from diffusers.models.transformers.transformer_flux import FluxAttention
 
+from .projections import joint_segments
 from .prologue import Rope, Segment
 
 Attend = Callable[[list[Segment], int, Rope | None], torch.Tensor]
@@ -58,15 +59,7 @@ def flux1_attention(
             "PictorAttn computes unmasked attention, as FLUX.1 uses it; got an attention_mask "
             f"of shape {tuple(attention_mask.shape)}"
         )
-    segments = [Segment(*_image_projections(attn, hidden_states), attn.norm_q, attn.norm_k)]
-    if encoder_hidden_states is not None:
-        if attn.added_kv_proj_dim is None:
-            raise ValueError(
-                "this FluxAttention has no text projections (added_kv_proj_dim=None) but got encoder_hidden_states"
-            )
-        text = _text_projections(attn, encoder_hidden_states)
-        segments.insert(0, Segment(*text, attn.norm_added_q, attn.norm_added_k))
-
+    segments = joint_segments(attn, hidden_states, encoder_hidden_states)
     hidden_states = attend(segments, attn.head_dim, image_rotary_emb)
     if encoder_hidden_states is None:
         return hidden_states
@@ -77,21 +70,3 @@ def flux1_attention(
     )
     hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
     return hidden_states, attn.to_add_out(encoder_hidden_states)
-
-
-def _image_projections(attn: FluxAttention, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v `[B, n, H*D]` of the image (or all) tokens, fused or not."""
-    if getattr(attn, "fused_projections", False):
-        return attn.to_qkv(hidden_states).chunk(3, dim=-1)
-    return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-
-
-def _text_projections(attn: FluxAttention, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v `[B, n, H*D]` of the text tokens, fused or not (as stock: fused when `to_added_qkv` exists)."""
-    if getattr(attn, "fused_projections", False) and hasattr(attn, "to_added_qkv"):
-        return attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-    return (
-        attn.add_q_proj(encoder_hidden_states),
-        attn.add_k_proj(encoder_hidden_states),
-        attn.add_v_proj(encoder_hidden_states),
-    )

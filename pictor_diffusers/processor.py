@@ -42,6 +42,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux
 
 from .flux1 import flux1_attention
 from .ops import attention
+from .projections import joint_segments
 from .prologue import Rope, Segment, pack_head_major
 from .registry import kernels_for
 from .validation import OUT_DTYPE_CHOICES
@@ -180,14 +181,7 @@ class PictorAttn:
         image_rotary_emb: Rope | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         _reject_mask(attention_mask)
-        segments = [Segment(*_image_projections(attn, hidden_states), attn.norm_q, attn.norm_k)]
-        if encoder_hidden_states is not None:
-            if attn.added_kv_proj_dim is None:
-                raise ValueError(
-                    "this Flux2Attention has no text projections (added_kv_proj_dim=None) but got encoder_hidden_states"
-                )
-            text = _text_projections(attn, encoder_hidden_states)
-            segments.insert(0, Segment(*text, attn.norm_added_q, attn.norm_added_k))
+        segments = joint_segments(attn, hidden_states, encoder_hidden_states)
 
         hidden_states = self._attend(segments, attn.head_dim, image_rotary_emb)
 
@@ -220,21 +214,3 @@ class PictorAttn:
         attn_output = self._attend([segment], attn.head_dim, image_rotary_emb)
         mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
         return attn.to_out(torch.cat([attn_output, mlp_hidden_states], dim=-1))
-
-
-def _image_projections(attn: Flux2Attention, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Image-token q, k, v `[B, n, inner_dim]`, fused or not."""
-    if getattr(attn, "fused_projections", False):
-        return attn.to_qkv(hidden_states).chunk(3, dim=-1)
-    return attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-
-
-def _text_projections(attn: Flux2Attention, encoder_hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Text-token q, k, v `[B, n, inner_dim]`, fused or not."""
-    if getattr(attn, "fused_projections", False):
-        return attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
-    return (
-        attn.add_q_proj(encoder_hidden_states),
-        attn.add_k_proj(encoder_hidden_states),
-        attn.add_v_proj(encoder_hidden_states),
-    )

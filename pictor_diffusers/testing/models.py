@@ -68,13 +68,14 @@ def text_ids(length: int) -> torch.Tensor:
 
 
 def transformer_inputs(
-    model: Flux2Transformer2DModel,
+    model: Flux2Transformer2DModel | FluxTransformer2DModel,
     batch: int,
     latent_hw: tuple[int, int],
     text_len: int,
     seed: int = 1,
 ) -> dict:
-    """Random N(0,1) keyword inputs for `model.forward`, on the model's device and dtype."""
+    """Random N(0,1) keyword inputs for a FLUX.2 (or, with `flux1_transformer_inputs`' additions,
+    FLUX.1) `model.forward`, on the model's device and dtype."""
     param = next(model.parameters())
     config = model.config
     generator = torch.Generator().manual_seed(seed)
@@ -150,25 +151,13 @@ def flux1_transformer_inputs(
 
     `latent_hw` is the packed latent grid: a 1024² image is (64, 64), 4096 image tokens.
     """
+    inputs = transformer_inputs(model, batch, latent_hw, text_len, seed)
     param = next(model.parameters())
-    config = model.config
-    generator = torch.Generator().manual_seed(seed)
-    height, width = latent_hw
-    hidden = torch.randn(batch, height * width, config.in_channels, generator=generator)
-    text = torch.randn(batch, text_len, config.joint_attention_dim, generator=generator)
-    pooled = torch.randn(batch, config.pooled_projection_dim, generator=generator)
+    generator = torch.Generator().manual_seed(seed + 1)
+    pooled = torch.randn(batch, model.config.pooled_projection_dim, generator=generator)
     image_ids, text_ids = flux1_ids(latent_hw, text_len)
-    inputs = {
-        "hidden_states": hidden.to(param.device, param.dtype),
-        "encoder_hidden_states": text.to(param.device, param.dtype),
-        "pooled_projections": pooled.to(param.device, param.dtype),
-        "timestep": torch.full((batch,), 0.5, device=param.device, dtype=param.dtype),
-        "img_ids": image_ids.to(param.device),
-        "txt_ids": text_ids.to(param.device),
-        "return_dict": False,
-    }
-    if config.guidance_embeds:
-        inputs["guidance"] = torch.full((batch,), 3.5, device=param.device, dtype=param.dtype)
+    inputs["pooled_projections"] = pooled.to(param.device, param.dtype)
+    inputs["img_ids"], inputs["txt_ids"] = image_ids.to(param.device), text_ids.to(param.device)
     return inputs
 
 
