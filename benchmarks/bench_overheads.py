@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,17 +70,22 @@ def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, flo
     return host, replay_start.elapsed_time(replay_end) / 100 * 1e3
 
 
-def host_us_per_call(run: object, calls: int = 2000) -> float:
-    """Host µs per call of `run()`, launched back to back without synchronising, after a warm-up."""
+def host_us_per_call(run: object, calls: int = 2000, batches: int = 10) -> float:
+    """Host µs per call of `run()`: the median over `batches` batches of back-to-back calls
+    (no synchronisation inside a batch), after a warm-up. The median keeps one batch slowed
+    by the host (another process, a full launch queue) from moving the figure."""
     for _ in range(20):
         run()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
+    per_batch = calls // batches
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            run()
+        times.append((time.perf_counter() - start) / per_batch * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def per_call_prologue_overhead(precision_dtype: torch.dtype) -> float:

@@ -18,6 +18,7 @@ import torch
 
 from . import runtime, tensor_maps
 from .registry import NoKernelError, Problem, Selection, Variant, prologue_variant, select_kernel
+from .validation import PrologueLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -142,50 +143,26 @@ _PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 3 + (_F32, _F32, ct
 
 
 def qkv_prologue_cuda(
-    projections: list[torch.Tensor],
-    weights: list[torch.Tensor],
-    rope: list[torch.Tensor],
-    eps: list[float],
-    out_dtype: torch.dtype = torch.float32,
+    layout: PrologueLayout, out_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run `qkv_prologue` on a layout `validation.prologue_layout_problem` accepted.
+    """Run `qkv_prologue` on projections `validation.prologue_layout` accepted.
 
-    Args:
-        projections: [q_txt, k_txt, v_txt, q_img, k_img, v_img], each `[B, n, H*D]`
-            in the model dtype (strided views allowed; n_txt may be 0), or
-            [q, k, v] of one segment.
-        weights: f32 `[D]` norm weights [q_txt, k_txt, q_img, k_img], or [q, k].
-        rope: [cos, sin], f32 contiguous `[N, D]`, or [] for no RoPE.
-        eps: the four norms' eps.
-        out_dtype: float32, bfloat16 or float16 for the outputs.
-
-    Returns:
-        q, k, v: contiguous `[B, H, N, D]` in `out_dtype`.
+    Returns q, k, v: new contiguous `[B, H, N, D]` tensors in `out_dtype`
+    (float32, bfloat16 or float16).
     """
-    head_dim = weights[0].shape[0]
-    if len(projections) == 3:  # one segment: the kernel's text part is empty
-        text_len, projections, weights, eps = 0, [*projections, *projections], [*weights, *weights], [*eps, *eps]
-    else:
-        text_len = projections[0].shape[1]
-        if text_len == 0:
-            projections = [*projections[3:], *projections[3:]]
-    text, image = projections[0], projections[3]
-    batch, image_len, width = image.shape
-    seq, heads, device = text_len + image_len, width // head_dim, image.device
-    outs = [torch.empty((batch, heads, seq, head_dim), dtype=out_dtype, device=device) for _ in range(3)]
-    variant = prologue_variant(head_dim, DTYPE_NAMES[image.dtype], DTYPE_NAMES[out_dtype])
-    rope_tensors = rope if rope else (weights[0], weights[0])
-    pointers = [t.data_ptr() for t in (*projections, *weights, *rope_tensors, *outs)]
-    (text_batch, text_row, _), (image_batch, image_row, _) = text.stride(), image.stride()
-    scalars = [text_row, text_batch, image_row, image_batch, text_len, seq, heads, eps[2], eps[3], int(bool(rope))]
+    shape = (layout.batch, layout.heads, layout.seq, layout.head_dim)
+    device = torch.device("cuda", layout.device_index)
+    outs = [torch.empty(shape, dtype=out_dtype, device=device) for _ in range(3)]
+    variant = prologue_variant(layout.head_dim, DTYPE_NAMES[layout.dtype], DTYPE_NAMES[out_dtype])
+    scalars = [*layout.strides, layout.text_len, layout.seq, layout.heads, *layout.eps, int(layout.rope)]
     runtime.launch(
-        runtime.function(variant, device.index),
-        device.index,
-        (seq, batch, 1),
+        runtime.function(variant, layout.device_index),
+        layout.device_index,
+        (layout.seq, layout.batch, 1),
         variant.spec.threads,
         0,
         _PROLOGUE_SIGNATURE,
-        pointers + scalars,
+        [*layout.pointers, *(t.data_ptr() for t in outs), *scalars],
     )
     return tuple(outs)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .launch import qkv_prologue_cuda
 from .ops import needs_op
-from .validation import prologue_layout_problem
+from .validation import prologue_layout
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,9 +106,10 @@ def _prologue_impl(
     eps: list[float],
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused kernel where the layout allows it, else the torch twin."""
-    if projections[-1].device.type == "cuda" and prologue_layout_problem(projections, weights, rope, eps) is None:
-        return qkv_prologue_cuda(projections, weights, rope, eps, dtype)
+    """The fused kernel for CUDA projections in a layout it takes, else the torch twin."""
+    layout = prologue_layout(projections, weights, rope, eps)
+    if layout is not None and layout.device_index >= 0:
+        return qkv_prologue_cuda(layout, dtype)
     return tuple(t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
 
 

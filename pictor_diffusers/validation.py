@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -130,7 +131,7 @@ def prologue_layout_problem(
     share strides; all projections share one dtype; text and image norms share eps.
     Takes the op's arguments: 6 projections and 4 norms ([text, image]) or 3 and 2 (one segment).
     """
-    if _prologue_layout_plain(projections, weights, rope, eps):
+    if prologue_layout(projections, weights, rope, eps) is not None:
         return None
     if len(projections) == 3:
         projections = [*(p[:, :0] for p in projections), *projections]
@@ -159,42 +160,86 @@ def prologue_layout_problem(
     return None
 
 
-def _prologue_layout_plain(
+class PrologueLayout(NamedTuple):
+    """What the prologue kernel needs of a layout `prologue_layout` accepted.
+
+    `pointers`: q, k, v text; q, k, v image; the 4 norm weights; cos, sin (the
+    first weight twice when there is no RoPE). A single segment is passed as an
+    empty text segment pointing at the image projections. `strides`: text row,
+    text batch, image row, image batch, in elements.
+    """
+
+    pointers: list[int]
+    strides: tuple[int, int, int, int]
+    batch: int
+    text_len: int
+    seq: int
+    heads: int
+    head_dim: int
+    device_index: int
+    dtype: torch.dtype
+    eps: tuple[float, float]
+    rope: bool
+
+
+def prologue_layout(
     projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
-) -> bool:
-    """The layouts FLUX.2's processors produce, accepted in few operations; False sends the
-    call through the detailed checks, which say what is off."""
+) -> PrologueLayout | None:
+    """The kernel's view of the layouts FLUX.2's processors produce, reading each tensor
+    attribute once (this is the host cost of every prologue call); None sends the call
+    to torch, and `prologue_layout_problem` says why. `device_index` is -1 on the CPU."""
+    count = len(projections)
+    if count not in (3, 6) or len(weights) != count * 2 // 3 or len(eps) != count * 2 // 3:
+        return None
+    if count == 6 and (eps[0] != eps[2] or eps[1] != eps[3]):
+        return None
     image = projections[-1]
-    device, dtype, image_shape = image.device, image.dtype, image.shape
+    dtype, device, image_shape = image.dtype, image.get_device(), image.shape
     head_dim = weights[0].shape[0]
-    if dtype not in _PROLOGUE_DTYPES or head_dim % 4 or head_dim > 128 or image_shape[2] % head_dim:
-        return False
-    if len(projections) == 3 and len(weights) == 2 and len(eps) == 2:
-        segments, text_len = [(projections, image_shape)], 0
-    elif len(projections) == 6 and len(weights) == 4 and len(eps) == 4:
-        text_shape = projections[0].shape
-        segments, text_len = [(projections[:3], text_shape), (projections[3:], image_shape)], text_shape[1]
-        if eps[0] != eps[2] or eps[1] != eps[3] or text_shape[0] != image_shape[0] or text_shape[2] != image_shape[2]:
-            return False
+    if dtype not in _PROLOGUE_DTYPES or len(image_shape) != 3 or head_dim % 4 or head_dim > 128:
+        return None
+    batch, image_len, width = image_shape
+    if width % head_dim:
+        return None
+    if count == 3:  # one segment: the kernel's text part is empty and points at the image
+        segments, text_len = [(projections, image_len)], 0
     else:
-        return False
-    vector = 4 * image.element_size()
-    for segment, shape in segments:
+        text_len = projections[0].shape[1]
+        segments = [(projections[:3], text_len), (projections[3:], image_len)]
+    pointers, strides, stride_bits, pointer_bits = [], [], 0, 0
+    for segment, tokens in segments:
         stride = segment[0].stride()
-        if stride[2] != 1 or stride[0] % 4 or stride[1] % 4:
-            return False
+        if stride[2] != 1:
+            return None
+        strides += (stride[1], stride[0])
+        stride_bits |= stride[0] | stride[1]
+        shape = (batch, tokens, width)
         for p in segment:
-            if p.dtype != dtype or p.shape != shape or p.stride() != stride or p.device != device:
-                return False
-            if p.data_ptr() % vector:
-                return False
-    tables = [(w, (head_dim,)) for w in weights] + [(r, (text_len + image_shape[1], head_dim)) for r in rope]
+            if p.dtype != dtype or p.shape != shape or p.stride() != stride or p.get_device() != device:
+                return None
+            pointer = p.data_ptr()
+            pointers.append(pointer)
+            pointer_bits |= pointer
+    if count == 3:
+        pointers, strides = pointers * 2, strides * 2
+    if stride_bits % 4 or pointer_bits % (4 * image.element_size()):
+        return None
+    seq, table_bits = text_len + image_len, 0
+    tables = [(w, (head_dim,)) for w in (weights if count == 6 else weights * 2)]
+    tables += [(r, (seq, head_dim)) for r in rope]
     for t, shape in tables:
-        if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous() or t.device != device:
-            return False
-        if t.data_ptr() % 16:
-            return False
-    return len(rope) in (0, 2)
+        if t.dtype != torch.float32 or t.shape != shape or t.get_device() != device or not t.is_contiguous():
+            return None
+        pointer = t.data_ptr()
+        pointers.append(pointer)
+        table_bits |= pointer
+    if table_bits % 16 or len(rope) not in (0, 2):
+        return None
+    if not rope:
+        pointers += pointers[6:7] * 2
+    eps_pair = (eps[-2], eps[-1])
+    return PrologueLayout(pointers, tuple(strides), batch, text_len, seq, width // head_dim, head_dim, device,
+                          dtype, eps_pair, bool(rope))  # fmt: skip
 
 
 def _prologue_shape_problem(

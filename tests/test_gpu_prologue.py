@@ -13,7 +13,7 @@ import torch
 
 from pictor_diffusers.launch import qkv_prologue_cuda
 from pictor_diffusers.prologue import pack_head_major_torch
-from pictor_diffusers.validation import prologue_layout_problem
+from pictor_diffusers.validation import prologue_layout, prologue_layout_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +45,7 @@ LAYOUTS = {
     "double-separate": lambda b, d: _separate(b, 21, d) + _separate(b, 333, d),
     "double-fused": lambda b, d: _fused(b, 21, d) + _fused(b, 333, d),
     "single-fused-mlp": lambda b, d: [t[:, :0] for t in _fused(b, 1, d)] + _fused(b, 354, d, extra=4 * INNER),
+    "single-segment": lambda b, d: _fused(b, 355, d, extra=4 * INNER),
 }
 
 
@@ -64,12 +65,12 @@ def _poison_allocator(numel: int) -> None:
 @pytest.mark.parametrize("batch", [1, 2])
 def test_prologue_kernel_matches_torch(batch: int, dtype: torch.dtype, layout: str, with_rope: bool) -> None:
     projections = LAYOUTS[layout](batch, dtype)
-    seq = projections[0].shape[1] + projections[3].shape[1]
-    weights, eps = _weights(), [1e-6] * 4
+    seq = sum(p.shape[1] for p in projections[::3])
+    weights, eps = _weights()[: len(projections) * 2 // 3], [1e-6] * (len(projections) * 2 // 3)
     rope = _rope(seq) if with_rope else []
     assert prologue_layout_problem(projections, weights, rope, eps) is None
     _poison_allocator(batch * HEADS * seq * HEAD_DIM)
-    fused = qkv_prologue_cuda(projections, weights, rope, eps)
+    fused = qkv_prologue_cuda(prologue_layout(projections, weights, rope, eps))
     reference = pack_head_major_torch(projections, weights, rope, eps)
     for name, ours, ref in zip("qkv", fused, reference, strict=True):
         assert ours.shape == (batch, HEADS, seq, HEAD_DIM) and ours.is_contiguous()
@@ -99,12 +100,12 @@ def test_prologue_16bit_output_is_the_f32_result_rounded_once(
     in_dtype: torch.dtype, out_dtype: torch.dtype, layout: str, with_rope: bool
 ) -> None:
     projections = LAYOUTS[layout](2, in_dtype)
-    seq = projections[0].shape[1] + projections[3].shape[1]
-    weights, eps = _weights(), [1e-6] * 4
+    seq = sum(p.shape[1] for p in projections[::3])
+    weights, eps = _weights()[: len(projections) * 2 // 3], [1e-6] * (len(projections) * 2 // 3)
     rope = _rope(seq) if with_rope else []
     assert prologue_layout_problem(projections, weights, rope, eps) is None
     _poison_allocator(2 * HEADS * seq * HEAD_DIM)
-    fused = qkv_prologue_cuda(projections, weights, rope, eps, out_dtype)
+    fused = qkv_prologue_cuda(prologue_layout(projections, weights, rope, eps), out_dtype)
     via_op = torch.ops.pictor.qkv_prologue(projections, weights, rope, eps, str(out_dtype).removeprefix("torch."))
     reference = pack_head_major_torch(projections, weights, rope, eps)
     for name, ours, op, ref in zip("qkv", fused, via_op, reference, strict=True):

@@ -324,3 +324,54 @@ def test_norm_params_read_a_parametrized_weight() -> None:
     weight, eps = norm_params(norm, 8, torch.zeros(1))
     assert torch.equal(weight, torch.full((8,), 2.0)) and eps == 1e-5
     assert torch.equal(norm_params(torch.nn.RMSNorm(8, elementwise_affine=False), 8, torch.zeros(1))[0], torch.ones(8))
+
+
+def _fused_projections(batch: int, tokens: int, width: int = 64) -> list[torch.Tensor]:
+    return list(torch.randn(batch, tokens, 3 * width + 8)[..., : 3 * width].chunk(3, dim=-1))
+
+
+PROLOGUE_LAYOUTS = {
+    "separate": lambda: _prologue_args(),
+    "fused": lambda: (_fused_projections(2, 5) + _fused_projections(2, 7), *_prologue_args()[1:]),
+    "one-segment": lambda: (_fused_projections(2, 12), _prologue_args()[1][:2], _prologue_args()[2]),
+    "no-rope": lambda: (*_prologue_args()[:2], []),
+    "misaligned": lambda: (
+        [t[..., 1:] for t in _fused_projections(2, 5, 65)] + [t[..., 1:] for t in _fused_projections(2, 7, 65)],
+        *_prologue_args()[1:],
+    ),
+    "text-batch": lambda: (_prologue_args(text_batch=1)[0], *_prologue_args()[1:]),
+    "f64-weight": lambda: (_prologue_args()[0], [torch.ones(32, dtype=torch.float64)] * 4, _prologue_args()[2]),
+    "rope-rows": lambda: (*_prologue_args()[:2], [torch.ones(11, 32), torch.zeros(11, 32)]),
+    "head_dim-130": lambda: ([torch.randn(2, 5, 260) for _ in range(6)], [torch.ones(130)] * 4, []),
+}
+
+
+@pytest.mark.parametrize("name", list(PROLOGUE_LAYOUTS))
+def test_prologue_fast_layout_agrees_with_the_detailed_checks(name: str) -> None:
+    """`prologue_layout` (read once, used for the launch) accepts exactly what the detailed checks accept."""
+    from pictor_diffusers.validation import prologue_layout, prologue_layout_problem
+
+    projections, weights, rope = PROLOGUE_LAYOUTS[name]()
+    eps = [1e-6] * len(weights)
+    layout = prologue_layout(projections, weights, rope, eps)
+    problem = prologue_layout_problem(projections, weights, rope, eps)
+    assert (layout is None) == (problem is not None), (name, problem)
+    assert (problem is None) == (name in ("separate", "fused", "one-segment", "no-rope"))
+
+
+def test_prologue_layout_holds_the_kernel_arguments() -> None:
+    """Pointers in kernel order, row/batch strides in elements; one segment is an empty text part."""
+    from pictor_diffusers.validation import prologue_layout
+
+    text, image = _fused_projections(2, 5), _fused_projections(2, 7)
+    _, weights, rope = _prologue_args()
+    layout = prologue_layout(text + image, weights, rope, [1e-5, 1e-6] * 2)
+    tensors = [*text, *image, *weights, *rope]
+    assert layout.pointers == [t.data_ptr() for t in tensors]
+    assert layout.strides == (200, 1000, 200, 1400)
+    assert (layout.batch, layout.text_len, layout.seq, layout.heads, layout.head_dim) == (2, 5, 12, 2, 32)
+    assert layout.eps == (1e-5, 1e-6) and layout.rope and layout.device_index == -1
+    single = prologue_layout(image, weights[:2], [], [1e-6] * 2)
+    assert single.text_len == 0 and single.seq == 7 and not single.rope
+    expected = (*image, *image, *weights[:2], *weights[:2], weights[0], weights[0])
+    assert single.pointers == [t.data_ptr() for t in expected]
