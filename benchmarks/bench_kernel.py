@@ -37,6 +37,7 @@ SDPA_BACKENDS = {
 }
 # (backend, dtype) rows run per shape; flash and cuDNN have no fp32 kernels.
 DEFAULT_ROWS = [
+    ("pictor_fp16x3", "fp32"),
     ("pictor_tf32x3", "fp32"),
     ("pictor_f32", "fp32"),
     ("sdpa_math", "fp32"),
@@ -58,6 +59,7 @@ DEFAULT_SHAPES = ",".join(
 # Conservative H200 throughput per backend (TFLOP/s), only to plan skips and repetitions.
 EST_TFLOPS = {
     "pictor_f32": 4.5,
+    "pictor_fp16x3": 120.0,
     "pictor_tf32x3": 40.0,
     "sdpa_math": 15.0,
     "sdpa_efficient": 40.0,

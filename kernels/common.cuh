@@ -16,8 +16,12 @@
                   KIND 0 is f32, 1 bfloat16, 2 float16 (16-bit values travel
                   as raw bit patterns in unsigned short); f32 -> 16-bit rounds
                   to nearest even (cvt.rn)
+     fp16 split   pk_split_exponent, pk_split2_f16: f32 -> scaled fp16 hi + lo
      cp.async     pk_smem_addr, pk_cp_async16, pk_cp_async16_zfill,
                   pk_cp_async_commit, pk_cp_async_wait_all
+     Hopper       pk_tensor_map, pk_bar_* (mbarriers), pk_copy_box (TMA),
+                  pk_wgmma_desc/fence/commit/wait, pk_pin (sm_90a only; unused
+                  helpers emit no code, so other targets compile this header)
 
    Accumulator layout (mma.sync m16n8kX, and each warp's 16 rows of a wgmma
    m64nN): an n8 tile is four floats; c0, c1 are row g = lane / 4, columns
@@ -185,6 +189,34 @@ __device__ __forceinline__ void pk_store4(typename pk_storage<KIND>::type* dst, 
     }
 }
 
+/* ---- scaled fp16 hi/lo split (the fp16x3 parity kernels) ---- */
+
+#define PK_SPLIT_TOP 15       /* a scale group's largest |x| is scaled into [2^14, 2^15) */
+#define PK_SPLIT_MAX_EXP 120  /* scale exponents are clamped to +-120: 2^e and 2^-e stay normal f32 */
+
+/* The exponent e of the power-of-two scale 2^e for a group whose largest |x| has
+   the f32 bit pattern `max_bits`: 0 for an all-zero or non-finite group (whose
+   results are zero or non-finite anyway). */
+__device__ __forceinline__ int pk_split_exponent(unsigned int max_bits)
+{
+    const float m = __uint_as_float(max_bits);
+    if (m == 0.f || !(m <= 3.4028235e38f)) return 0;
+    int e;
+    frexpf(m, &e);  /* m = f 2^e, f in [0.5, 1) */
+    return max(-PK_SPLIT_MAX_EXP, min(PK_SPLIT_MAX_EXP, PK_SPLIT_TOP - e));
+}
+
+/* (hi, lo) float16 pairs of two f32 values a, b (already scaled): hi rounds to
+   nearest even, lo is the rounded remainder, so hi + lo keeps 22 bits. */
+__device__ __forceinline__ uint2 pk_split2_f16(float a, float b)
+{
+    const unsigned int hi = pk_pack2<2>(a, b);
+    float ha, hb;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(ha), "=f"(hb) : "r"(hi));
+    return make_uint2(hi, pk_pack2<2>(a - ha, b - hb));
+}
+
 /* ---- cp.async ---- */
 
 __device__ __forceinline__ unsigned int pk_smem_addr(const void* p)
@@ -206,5 +238,110 @@ __device__ __forceinline__ void pk_cp_async16_zfill(unsigned int dst, const void
 
 __device__ __forceinline__ void pk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void pk_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+/* ---- Hopper (sm_90a): mbarriers, bulk tensor copies (TMA), wgmma ---- */
+
+/* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
+struct __align__(64) pk_tensor_map {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void pk_bar_init(unsigned int bar, unsigned int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void pk_bar_expect_bytes(unsigned int bar, unsigned int bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void pk_bar_arrive(unsigned int bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void pk_bar_wait(unsigned int bar, unsigned int parity)
+{
+    unsigned int done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+/* Copy the box at (column, row, plane) of a rank-3 map into shared memory at dst,
+   completing on `bar` (which must expect the box's bytes). */
+__device__ __forceinline__ void pk_copy_box(unsigned int dst, const pk_tensor_map* map, int column, int row,
+                                            int plane, unsigned int bar)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4}], [%5];"
+        :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(row), "r"(plane), "r"(bar) : "memory");
+}
+
+/* One arrival on `bar` for the calling warp (lane 0 arrives). */
+__device__ __forceinline__ void pk_warp_arrive(unsigned int bar)
+{
+    if ((threadIdx.x & 31u) == 0) pk_bar_arrive(bar);
+}
+
+/* Shared-memory matrix descriptor, 128-byte swizzle; lead and stride in bytes. */
+__device__ __forceinline__ unsigned long long pk_wgmma_desc(unsigned int addr, unsigned int lead, unsigned int stride)
+{
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
+           ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void pk_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void pk_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void pk_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+/* acc[0..63] (+)= A B for one warpgroup, m64n128k16 with f32 accumulators:
+   A (64 x 16) from registers in the wgmma A-fragment layout, B (16 x 128) from
+   shared memory, MN-major (transposed); KIND 1 bfloat16, 2 float16. */
+#define PK_ACC64                                                                                  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define PK_F8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), \
+                    "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
+#define PK_F64(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24), \
+                  PK_F8(a, 32), PK_F8(a, 40), PK_F8(a, 48), PK_F8(a, 56)
+
+template <int KIND>
+__device__ __forceinline__ void pk_wgmma_n128_rs(float* acc, const unsigned int* a, unsigned long long b,
+                                                 int accumulate)
+{
+    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n128_rs: KIND 1 (bfloat16) or 2 (float16)");
+    if constexpr (KIND == 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PK_ACC64
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PK_ACC64
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    }
+}
+
+/* Pin N accumulators at this point of the program: the compiler must not move
+   their uses above a wgmma wait, nor their definitions below a wgmma issue. */
+template <int N>
+__device__ __forceinline__ void pk_pin(float* acc)
+{
+    #pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i]) :: "memory");
+}
 
 #endif

@@ -71,108 +71,24 @@ static_assert(WG_SMEM_BYTES == 1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_B
               "WG_SMEM_BYTES disagrees with the kernel's Q | K stages | V stages | mbarriers");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
-/* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
-struct __align__(64) wg_tensor_map {
-    unsigned long long opaque[16];
-};
-
-#define WG_ACC64                                                                                  \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define WG_F8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), \
-                    "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
-#define WG_F64(a) WG_F8(a, 0), WG_F8(a, 8), WG_F8(a, 16), WG_F8(a, 24), \
-                  WG_F8(a, 32), WG_F8(a, 40), WG_F8(a, 48), WG_F8(a, 56)
-
-/* ---- mbarriers and the bulk tensor copy ---- */
-
-__device__ __forceinline__ void wg_bar_init(unsigned int bar, unsigned int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void wg_bar_expect_bytes(unsigned int bar, unsigned int bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void wg_bar_arrive(unsigned int bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void wg_bar_wait(unsigned int bar, unsigned int parity)
-{
-    unsigned int done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-/* Copy one 64-column x 128-row box at (column, row, head) into a slab. */
-__device__ __forceinline__ void wg_copy_box(unsigned int dst, const wg_tensor_map* map, int column, int row,
-                                            int head, unsigned int bar)
-{
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-        "[%0], [%1, {%2, %3, %4}], [%5];"
-        :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(row), "r"(head), "r"(bar) : "memory");
-}
-
 /* Both slabs of a 128 x 128 tile, completing on `bar`. */
-__device__ __forceinline__ void wg_copy_tile(unsigned int dst, const wg_tensor_map* map, int row, int head,
+__device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_map* map, int row, int head,
                                              unsigned int bar)
 {
-    wg_bar_expect_bytes(bar, WG_TILE_BYTES);
-    wg_copy_box(dst, map, 0, row, head, bar);
-    wg_copy_box(dst + WG_SLAB_BYTES, map, 64, row, head, bar);
+    pk_bar_expect_bytes(bar, WG_TILE_BYTES);
+    pk_copy_box(dst, map, 0, row, head, bar);
+    pk_copy_box(dst + WG_SLAB_BYTES, map, 64, row, head, bar);
 }
 
 /* ---- wgmma ---- */
-
-/* Shared-memory matrix descriptor, 128-byte swizzle. */
-__device__ __forceinline__ unsigned long long wg_desc(unsigned int addr, unsigned int lead, unsigned int stride)
-{
-    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
-           ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
-
-/* Pin accumulators at this point of the program: the compiler must not move
-   their uses above a wgmma wait, nor their definitions below a wgmma issue. */
-__device__ __forceinline__ void wg_pin(float* acc)
-{
-    #pragma unroll
-    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(acc[i]) :: "memory");
-}
 
 /* acc (+)= A B^T, A and B from shared memory, both K-major. */
 __device__ __forceinline__ void wg_mma_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
 {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16" WG_TYPES " " WG_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WG_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
-}
-
-/* acc += A B, A from registers, B from shared memory MN-major (transposed). */
-__device__ __forceinline__ void wg_mma_rs(float* acc, const unsigned int* a, unsigned long long b)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16" WG_TYPES " " WG_ACC64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : WG_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+        "wgmma.mma_async.sync.aligned.m64n128k16" WG_TYPES " " PK_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
 }
 
 /* S = Q K^T for one warpgroup: 8 k-steps of 16 columns, 4 per slab. */
@@ -181,9 +97,9 @@ __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsig
     #pragma unroll
     for (int kk = 0; kk < WG_D / 16; kk++) {
         const unsigned int offset = (kk / 4) * WG_SLAB_BYTES + (kk % 4) * 32;
-        wg_mma_ss(s, wg_desc(q_rows + offset, 16, 1024), wg_desc(k_tile + offset, 16, 1024), kk > 0);
+        wg_mma_ss(s, pk_wgmma_desc(q_rows + offset, 16, 1024), pk_wgmma_desc(k_tile + offset, 16, 1024), kk > 0);
     }
-    wg_commit();
+    pk_wgmma_commit();
 }
 
 /* O += P V: 8 k-steps of 16 keys; the two 64-column slabs of V are LBO apart. */
@@ -191,9 +107,9 @@ __device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, uns
 {
     #pragma unroll
     for (int kk = 0; kk < WG_BK / 16; kk++) {
-        wg_mma_rs(o, p + 4 * kk, wg_desc(v_tile + kk * 16 * 128, WG_SLAB_BYTES, 1024));
+        pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, pk_wgmma_desc(v_tile + kk * 16 * 128, WG_SLAB_BYTES, 1024), 1);
     }
-    wg_commit();
+    pk_wgmma_commit();
 }
 
 /* P as the A operand of the next P.V: register 4kk + c holds keys 16kk.. of
@@ -229,23 +145,17 @@ __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
     return m;
 }
 
-__device__ __forceinline__ void wg_produce(const wg_smem& m, const wg_tensor_map* tm_q, const wg_tensor_map* tm_k,
-                                           const wg_tensor_map* tm_v, int head, int q0, unsigned int n_tiles)
+__device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
+                                           const pk_tensor_map* tm_v, int head, int q0, unsigned int n_tiles)
 {
     wg_copy_tile(m.q(), tm_q, q0, head, m.q_full());
     for (unsigned int j = 0; j < n_tiles; j++) {
         const unsigned int s = j % WG_STAGES, parity = (j / WG_STAGES - 1) & 1;
-        if (j >= WG_STAGES) wg_bar_wait(m.k_free(s), parity);
+        if (j >= WG_STAGES) pk_bar_wait(m.k_free(s), parity);
         wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, m.k_full(s));
-        if (j >= WG_STAGES) wg_bar_wait(m.v_free(s), parity);
+        if (j >= WG_STAGES) pk_bar_wait(m.v_free(s), parity);
         wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, m.v_full(s));
     }
-}
-
-/* A K or V stage is done with: one arrival per consumer warp. */
-__device__ __forceinline__ void wg_release(unsigned int bar)
-{
-    if ((threadIdx.x & 31u) == 0) wg_bar_arrive(bar);
 }
 
 __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __restrict__ out, unsigned int num_heads,
@@ -264,44 +174,44 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
 
-    wg_bar_wait(m.q_full(), 0);
-    wg_bar_wait(m.k_full(0), 0);
-    wg_fence();
+    pk_bar_wait(m.q_full(), 0);
+    pk_bar_wait(m.k_full(0), 0);
+    pk_wgmma_fence();
     wg_issue_qk(s, q_rows, m.k(0));
-    wg_wait<0>();
-    wg_pin(s);
-    wg_release(m.k_free(0));
+    pk_wgmma_wait<0>();
+    pk_pin<64>(s);
+    pk_warp_arrive(m.k_free(0));
     pk_mask_tail<WG_BK / 8>(s, 0, seq, t);
     pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
     wg_pack_p(p, s);
 
     for (unsigned int j = 1; j < n_tiles; j++) {
         const unsigned int st = j % WG_STAGES, prev = (j - 1) % WG_STAGES;
-        wg_bar_wait(m.k_full(st), (j / WG_STAGES) & 1);
-        wg_bar_wait(m.v_full(prev), ((j - 1) / WG_STAGES) & 1);
-        wg_pin(s);
-        wg_pin(o);
-        wg_fence();
+        pk_bar_wait(m.k_full(st), (j / WG_STAGES) & 1);
+        pk_bar_wait(m.v_full(prev), ((j - 1) / WG_STAGES) & 1);
+        pk_pin<64>(s);
+        pk_pin<64>(o);
+        pk_wgmma_fence();
         wg_issue_qk(s, q_rows, m.k(st));
         wg_issue_pv(o, p, m.v(prev));
-        wg_wait<1>();
-        wg_pin(s);
-        wg_release(m.k_free(st));
+        pk_wgmma_wait<1>();
+        pk_pin<64>(s);
+        pk_warp_arrive(m.k_free(st));
         pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq, t);
         pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
-        wg_wait<0>();
-        wg_pin(o);
-        wg_release(m.v_free(prev));
+        pk_wgmma_wait<0>();
+        pk_pin<64>(o);
+        pk_warp_arrive(m.v_free(prev));
         pk_rescale<WG_D / 8>(o, corr);
         wg_pack_p(p, s);
     }
     const unsigned int last = n_tiles - 1;
-    wg_bar_wait(m.v_full(last % WG_STAGES), (last / WG_STAGES) & 1);
-    wg_pin(o);
-    wg_fence();
+    pk_bar_wait(m.v_full(last % WG_STAGES), (last / WG_STAGES) & 1);
+    pk_pin<64>(o);
+    pk_wgmma_fence();
     wg_issue_pv(o, p, m.v(last % WG_STAGES));
-    wg_wait<0>();
-    wg_pin(o);
+    pk_wgmma_wait<0>();
+    pk_pin<64>(o);
 
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
@@ -321,9 +231,9 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 joint_attention_wgmma(
-    const __grid_constant__ wg_tensor_map tm_q,
-    const __grid_constant__ wg_tensor_map tm_k,
-    const __grid_constant__ wg_tensor_map tm_v,
+    const __grid_constant__ pk_tensor_map tm_q,
+    const __grid_constant__ pk_tensor_map tm_k,
+    const __grid_constant__ pk_tensor_map tm_v,
     unsigned short* __restrict__ out,
     unsigned int num_heads,
     unsigned int seq,
@@ -334,13 +244,13 @@ joint_attention_wgmma(
     const unsigned int n_tiles = (seq + WG_BK - 1) / WG_BK;
 
     if (threadIdx.x == 0) {
-        wg_bar_init(m.q_full(), 1);
+        pk_bar_init(m.q_full(), 1);
         #pragma unroll
         for (int s = 0; s < WG_STAGES; s++) {
-            wg_bar_init(m.k_full(s), 1);
-            wg_bar_init(m.v_full(s), 1);
-            wg_bar_init(m.k_free(s), WG_CONSUMER_WARPS);
-            wg_bar_init(m.v_free(s), WG_CONSUMER_WARPS);
+            pk_bar_init(m.k_full(s), 1);
+            pk_bar_init(m.v_full(s), 1);
+            pk_bar_init(m.k_free(s), WG_CONSUMER_WARPS);
+            pk_bar_init(m.v_free(s), WG_CONSUMER_WARPS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import runtime, tensor_maps
-from .registry import NoKernelError, Problem, Selection, Variant, prologue_variant, select_kernel
+from .registry import NoKernelError, Problem, Selection, Variant, prologue_variant, select_kernel, split_variant
 from .validation import PrologueLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +125,11 @@ def launch_attention(
         maps = [tensor_maps.tensor_map(t) for t in (query, key, value)]
         operands: tuple[Any, ...] = (*(address for _, address in maps), out.data_ptr())
         kinds: tuple[Any, ...] = (None, None, None, _U64)
+    elif spec.operands == "split_planes":
+        planes, colmax = split_planes(query, key, value)
+        maps = [tensor_maps.tensor_map(p, box_rows=_SPLIT_BOX_ROWS) for p in planes]
+        operands = (*(address for _, address in maps), out.data_ptr(), colmax.data_ptr())
+        kinds = (None, None, None, _U64, _U64)
     else:
         operands = (query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr())
         kinds = (_U64,) * 4
@@ -137,6 +142,29 @@ def launch_attention(
         kinds + tuple(_SCALAR_TYPES[name] for name in spec.scalars),
         operands + tuple(scalars[name] for name in spec.scalars),
     )
+
+
+_SPLIT_SIGNATURE = (_U64,) * 5 + (_U32, _U32)
+_SPLIT_BOX_ROWS = 64
+
+
+def split_planes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """f32 q, k, v `[B, H, N, 128]` as scaled float16 hi/lo planes, by the split kernel's two phases.
+
+    Returns planes `[3 (q, k, v), 2 (hi, lo), B*H, N, 128]` float16 and the column maxima
+    `[3, B*H, 128]` (f32 bit patterns as int32) that give each group's scale.
+    """
+    batch, heads, seq, head_dim = query.shape
+    groups, device = batch * heads, query.device
+    planes = torch.empty((3, 2, groups, seq, head_dim), dtype=torch.float16, device=device)
+    colmax = torch.zeros((3, groups, head_dim), dtype=torch.int32, device=device)
+    variant = split_variant(head_dim)
+    function = runtime.function(variant, device.index)
+    grid = (groups, -(-seq // variant.spec.rows_per_block), 3)
+    pointers = (query.data_ptr(), key.data_ptr(), value.data_ptr(), planes.data_ptr(), colmax.data_ptr())
+    for phase in (0, 1):
+        runtime.launch(function, device.index, grid, variant.spec.threads, 0, _SPLIT_SIGNATURE, (*pointers, seq, phase))
+    return planes, colmax
 
 
 _PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 3 + (_F32, _F32, ctypes.c_int32)

@@ -34,6 +34,7 @@ turns values beyond fp16's 65504 into inf. "auto" never narrows the range.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux
 
 from .flux1 import flux1_attention
 from .ops import attention
+from .parallel import check_local_rope, ulysses_attention, ulysses_group
 from .projections import joint_segments
 from .prologue import Rope, Segment, pack_head_major
 from .registry import kernels_for
@@ -70,20 +72,6 @@ def _reject_mask(attention_mask: torch.Tensor | None) -> None:
         )
 
 
-def _reject_parallel_config(config: Any) -> None:
-    """Context parallelism shards the sequence across ranks; attending within the local shard
-    would be silently wrong, so any parallel config on the processor is refused."""
-    if config is None:
-        return
-    context = getattr(config, "context_parallel_config", None)
-    degrees = ", ".join(f"{name}={getattr(context, name, '?')}" for name in ("ulysses_degree", "ring_degree"))
-    raise NotImplementedError(
-        f"PictorAttn does not serve diffusers context parallelism yet (enable_parallelism set {degrees}): "
-        "each rank would attend only to its own shard of the sequence. Run context-parallel models with "
-        "diffusers' own processors."
-    )
-
-
 def _check_precision(precision: str, kernel: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
@@ -107,7 +95,10 @@ class PictorAttn:
     Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
     `FluxAttention`; anything else,
     an attention mask, FLUX.2's reference-image KV cache, or an unknown
-    keyword raises an error that names it. CUDA tensors need CuPy (the
+    keyword raises an error that names it. Under diffusers' Ulysses context
+    parallelism (`enable_parallelism`, `ulysses_degree=P`) it attends over the
+    whole sequence through `pictor_diffusers.parallel`; ring and unified ring x
+    Ulysses configs raise NotImplementedError. CUDA tensors need CuPy (the
     `cuda12` / `cuda13` extras); CPU tensors run the pure-torch twins of the
     kernels. Inference only: the kernels have no backward.
     """
@@ -141,7 +132,7 @@ class PictorAttn:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if kwargs:
             raise TypeError(f"PictorAttn does not understand the attention kwargs {sorted(kwargs)}")
-        _reject_parallel_config(self._parallel_config)
+        ulysses_group(self._parallel_config)  # refuses ring / unified context parallelism up front
         if kv_cache_mode is not None or kv_cache is not None:
             raise NotImplementedError(
                 f"PictorAttn does not serve FLUX.2 reference-image KV caching (kv_cache_mode={kv_cache_mode!r}); "
@@ -165,12 +156,22 @@ class PictorAttn:
         )
 
     def _attend(self, segments: list[Segment], head_dim: int, rope: Rope | None) -> torch.Tensor:
-        """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype."""
+        """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype.
+
+        Under Ulysses context parallelism (`parallel.py`) the prologue runs on this rank's tokens, the
+        attention over the whole sequence, and N is this rank's token count.
+        """
         dtype = segments[-1].query.dtype
         compute = self._compute_dtype(dtype)
+        ulysses = ulysses_group(self._parallel_config)
+        if ulysses is not None:
+            check_local_rope(rope, sum(segment.query.shape[1] for segment in segments))
         query, key, value = pack_head_major(segments, head_dim, rope, compute)
         out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
-        return attention(query, key, value, out_dtype=out_dtype, kernel=self.kernel).to(dtype)
+        if ulysses is None:
+            return attention(query, key, value, out_dtype=out_dtype, kernel=self.kernel).to(dtype)
+        run = partial(attention, out_dtype=out_dtype, kernel=self.kernel)
+        return ulysses_attention(query, key, value, ulysses, run).to(dtype)
 
     def _double_stream(
         self,

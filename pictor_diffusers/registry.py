@@ -39,6 +39,11 @@ def _wgmma_smem(d: int) -> int:
     return 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3)
 
 
+def _fp16x3_smem(d: int) -> int:
+    """Q hi + lo (128 rows), two stages of K and V hi + lo (64 rows), mbarriers."""
+    return 1024 + 2 * 128 * d * 2 + 2 * 4 * 64 * d * 2 + 8 * (1 + 4 * 2)
+
+
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
     """One attention kernel: what it takes, how it is built and launched.
@@ -61,7 +66,9 @@ class KernelSpec:
         flags: further NVRTC options. `-ftz=true` (denormal intermediates flush to zero) is what
             CuPy compiled these kernels with before the registry; it is kept, explicitly, so that
             the same source gives the same machine code (without it 3xTF32 ran 1.5-5% slower).
-        operands: "pointers" (q, k, v, out) or "tensor_maps" (TMA maps of q, k, v; out pointer).
+        operands: "pointers" (q, k, v, out), "tensor_maps" (TMA maps of q, k, v; out pointer) or
+            "split_planes" (`SPLIT` first turns f32 q, k, v into scaled fp16 hi/lo planes; the kernel
+            takes TMA maps of the planes, the out pointer and the split's column maxima).
         scalars: the trailing arguments, from ("heads", "seq", "head_dim", "scale", "scale_log2").
     """
 
@@ -93,6 +100,26 @@ class KernelSpec:
 
 
 KERNELS: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        name="fp16x3",
+        family="fp32",
+        source="flash_attn_fp16x3.cu",
+        entry="joint_attention_fp16x3",
+        in_dtypes=("float32",),
+        out_dtypes=("float32", *HALF_DTYPES),
+        head_dims=(128,),
+        min_capability=(9, 0),
+        exact_capability=(9, 0),
+        arch_suffix="a",
+        threads=384,
+        rows_per_block=128,
+        shared_bytes=_fp16x3_smem,
+        prefix="X3_",
+        geometry={"BQ": "128", "BK": "64", "STAGES": "2", "THREADS": "384"},
+        kinds=("OUT_KIND",),
+        flags=(),
+        operands="split_planes",
+    ),
     KernelSpec(
         name="wgmma",
         family="16bit",
@@ -336,6 +363,33 @@ PROLOGUE = KernelSpec(
     scalars=(),
 )
 """The fused QK-norm / RoPE / head-major prologue (grid: one block per token and batch)."""
+
+
+SPLIT = KernelSpec(
+    name="split",
+    family="prepass",
+    source="split_fp16x2.cu",
+    entry="split_fp16x2",
+    in_dtypes=("float32",),
+    out_dtypes=("float16",),
+    head_dims=(128,),
+    min_capability=(5, 0),
+    threads=256,
+    rows_per_block=64,
+    shared_bytes=lambda d: 0,
+    prefix="SP_",
+    geometry={"ROWS": "64", "THREADS": "256"},
+    smem_define=False,
+    flags=(),
+    scalars=("seq",),
+)
+"""The fp16x3 kernel's prepass: f32 q, k, v -> scaled float16 hi/lo planes (two phases, one entry)."""
+
+
+@functools.cache
+def split_variant(head_dim: int) -> Variant:
+    """The split build for `head_dim` (128, the fp16x3 kernel's)."""
+    return Variant(SPLIT, head_dim, "float32", "float16")
 
 
 @functools.cache

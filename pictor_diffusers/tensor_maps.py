@@ -4,7 +4,7 @@ A map is 128 opaque bytes encoded by the driver (`cuTensorMapEncodeTiled`,
 through ctypes) that the kernel takes by value (`__grid_constant__`). A map
 holds only an address, a shape and strides, so it stays valid for whatever
 tensor later lives at that address: maps are memoised by (address, shape,
-dtype) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
+dtype, box rows) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections import OrderedDict
 import torch
 
 BOX_COLUMNS, BOX_ROWS = 64, 128
-"""One copy: 64 head_dim columns (128 bytes, the swizzle span) x 128 rows x 1 head."""
+"""One copy: 64 head_dim columns (128 bytes, the swizzle span) x 128 rows (by default) x 1 head."""
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 CACHE_SIZE = 256
 
-_maps: OrderedDict[tuple[int, tuple[int, ...], torch.dtype], tuple[ctypes.Array, int]] = OrderedDict()
+_maps: OrderedDict[tuple[int, tuple[int, ...], torch.dtype, int], tuple[ctypes.Array, int]] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -44,7 +44,9 @@ def check_driver() -> None:
     _driver()
 
 
-def _encode(pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype) -> tuple[ctypes.Array, int]:
+def _encode(
+    pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype, box_rows: int
+) -> tuple[ctypes.Array, int]:
     """Map of a contiguous 16-bit `[B, H, N, D]` tensor as rank 3 (D, N, B*H).
 
     128-byte swizzle; reads past N (or past the last head) are zero-filled by
@@ -55,7 +57,7 @@ def _encode(pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype) 
     address = (ctypes.addressof(buffer) + 63) & ~63
     dims = (ctypes.c_uint64 * 3)(head_dim, seq, batch * heads)
     strides = (ctypes.c_uint64 * 2)(head_dim * 2, seq * head_dim * 2)
-    box = (ctypes.c_uint32 * 3)(BOX_COLUMNS, BOX_ROWS, 1)
+    box = (ctypes.c_uint32 * 3)(BOX_COLUMNS, box_rows, 1)
     unit = (ctypes.c_uint32 * 3)(1, 1, 1)
     status = _driver().cuTensorMapEncodeTiled(
         address, _DTYPES[dtype], 3, pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0
@@ -65,13 +67,14 @@ def _encode(pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype) 
     return buffer, address
 
 
-def tensor_map(tensor: torch.Tensor) -> tuple[ctypes.Array, int]:
-    """(owning buffer, address) of the map of a contiguous 16-bit `[B, H, N, D]` CUDA tensor.
+def tensor_map(tensor: torch.Tensor, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:
+    """(owning buffer, address) of the map of a contiguous 16-bit `[B, H, N, D]` CUDA tensor,
+    copied in boxes of 64 columns x `box_rows` rows.
 
     The caller keeps the buffer referenced until the launch has been issued
     (the launch copies the map's bytes).
     """
-    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, box_rows)
     entry = _maps.get(key)
     if entry is not None:
         return entry

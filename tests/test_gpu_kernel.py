@@ -40,7 +40,7 @@ TF32X3_CASES = [(1, 3, 77, 32), (2, 5, 300, 96), (1, 4, 129, 64)]
 
 
 def _run_kernel(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """One launch of `kernel` ("f32" or "tf32x3") into a NaN-poisoned float32 output."""
+    """One launch of `kernel` ("f32", "tf32x3" or "fp16x3") into a NaN-poisoned float32 output."""
     from pictor_diffusers.launch import attention_cuda
 
     batch, heads, seq, head_dim = query.shape
@@ -54,7 +54,11 @@ def _shape_id(shape: tuple[int, int, int, int]) -> str:
     return "B{}-H{}-N{}-D{}".format(*shape)
 
 
-KERNEL_CASES = [("f32", s) for s in CASES + VARIANT_CASES] + [("tf32x3", s) for s in CASES + TF32X3_CASES]
+KERNEL_CASES = (
+    [("f32", s) for s in CASES + VARIANT_CASES]
+    + [("tf32x3", s) for s in CASES + TF32X3_CASES]
+    + [("fp16x3", s) for s in CASES if s[3] == 128]
+)
 
 
 @pytest.mark.parametrize(("kernel", "shape"), KERNEL_CASES, ids=lambda x: x if isinstance(x, str) else _shape_id(x))
@@ -78,8 +82,12 @@ def _sdpa_fp32_error(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return (out.transpose(1, 2).reshape(batch, seq, heads * head_dim).double() - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("kernel", ["f32", "tf32x3"])
-@pytest.mark.parametrize("shape", [(1, 24, 4608, 128), (1, 8, 1000, 64)], ids=_shape_id)
+@pytest.mark.parametrize(
+    ("kernel", "shape"),
+    [(k, s) for k in ("f32", "tf32x3") for s in ((1, 24, 4608, 128), (1, 8, 1000, 64))]
+    + [("fp16x3", (1, 24, 4608, 128)), ("fp16x3", (1, 8, 1000, 128))],
+    ids=lambda x: x if isinstance(x, str) else _shape_id(x),
+)
 def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
     """q and k x8 (logits up to ~250): finite, and within 2x of fp32 SDPA's own error.
 
@@ -97,13 +105,14 @@ def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
     assert max_abs <= 2.0 * sdpa_err + 1e-6
 
 
+@pytest.mark.parametrize("kernel", ["tf32x3", "fp16x3"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_tf32x3_rounds_once_into_16bit(out_dtype: torch.dtype) -> None:
+def test_tensor_core_kernels_round_once_into_16bit(kernel: str, out_dtype: torch.dtype) -> None:
     from pictor_diffusers.launch import attention_cuda
 
     query, key, value = random_qkv(2, 6, 1000, 128, seed=13)
     out = torch.full((2, 1000, 768), float("nan"), device="cuda", dtype=out_dtype)
-    attention_cuda(query, key, value, 128**-0.5, "tf32x3", out_dtype, out=out)
+    attention_cuda(query, key, value, 128**-0.5, kernel, out_dtype, out=out)
     expected = attention_float64(query, key, value).to(out_dtype)
     assert not out.isnan().any()
     one_ulp = expected.float().abs() * torch.finfo(out_dtype).eps + 1e-7
@@ -126,10 +135,11 @@ def test_public_api_matches_kernel_and_cpu_twin() -> None:
     assert (out.cpu() - cpu).abs().max().item() <= MAX_ABS
 
 
-def test_bitwise_deterministic() -> None:
+@pytest.mark.parametrize("kernel", ["tf32x3", "fp16x3"])
+def test_bitwise_deterministic(kernel: str) -> None:
     query, key, value = random_qkv(2, 24, 1536, 128, seed=11)
-    first = _run_kernel("tf32x3", query, key, value)
-    second = _run_kernel("tf32x3", query, key, value)
+    first = _run_kernel(kernel, query, key, value)
+    second = _run_kernel(kernel, query, key, value)
     assert torch.equal(first, second)
 
 

@@ -23,7 +23,16 @@ from pathlib import Path
 import pytest
 from compile_tools import needs_cupy, needs_ptxas, parse_resources, ptx_for, ptxas_report, sass_tool, spills
 
-from pictor_diffusers.registry import BY_NAME, KERNELS, PROLOGUE, Variant, prologue_variant, variants
+from pictor_diffusers.registry import (
+    BY_NAME,
+    KERNELS,
+    PROLOGUE,
+    SPLIT,
+    Variant,
+    prologue_variant,
+    split_variant,
+    variants,
+)
 
 PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
 PROLOGUES = tuple(
@@ -32,7 +41,8 @@ PROLOGUES = tuple(
     for dtype in PTX_TYPE | {"float32": ""}
     for out in {"float32", dtype}
 )
-ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES
+PREPASSES = (split_variant(128),)
+ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES + PREPASSES
 MAY_SPILL = {"f32_d256_float32_to_float32", "f32_d384_float32_to_float32"}
 """Wide scalar-kernel builds (head_dim > 128: no FLUX.2 model) may spill; they warn instead."""
 
@@ -52,6 +62,10 @@ def _family_instructions(variant: Variant, ptx: str) -> None:
         assert not tensor_core, f"tensor-core instructions in the parity reference: {tensor_core[:5]}"
         assert not re.search(r"\S*\.b?f16\S*", ptx), "16-bit staging in the parity reference"
         assert re.search(r"\bfma\.rn(?:\.ftz)?\.f32\b", ptx), "no f32 FMA in the PTX"
+    elif name == "fp16x3":
+        for shape in ("m64n64k16", "m64n128k16"):
+            assert re.search(rf"\bwgmma\.mma_async\.sync\.aligned\.{shape}\.f32\.f16\.f16\b", ptx), f"no f16 {shape}"
+        assert not re.search(r"\b(?:w?g?mma)\S*\.bf16\b", ptx), "bf16 products in the fp16x3 kernel"
     elif name == "tf32x3":
         assert re.search(r"\bmma\.sync\.aligned\.m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32\b", ptx), "no TF32 mma"
     elif name in ("mma16", "wgmma"):
@@ -87,9 +101,10 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
 @needs_cupy
 def test_defines_reach_nvrtc() -> None:
     """Every variant of a source compiles to different code: its -D options are used."""
-    for spec in (*KERNELS, PROLOGUE):
+    for spec in (*KERNELS, PROLOGUE, SPLIT):
         builds = [(v, arch) for v, arch in BUILDS if v.spec is spec and arch == archs(v)[-1]]
         ptxs = {v.name: ptx_for(v, arch) for v, arch in builds}
+        assert builds, f"no {spec.name} build"
         assert len(set(ptxs.values())) == len(ptxs), f"two {spec.name} variants compiled to identical PTX"
 
 
@@ -109,7 +124,7 @@ def _compile_log(variant: Variant, options: tuple[str, ...]) -> str:
     return ""
 
 
-FIRST_OF_EACH = [variants(spec)[-1] for spec in KERNELS] + [PROLOGUES[-1]]
+FIRST_OF_EACH = [variants(spec)[-1] for spec in KERNELS] + [PROLOGUES[-1], *PREPASSES]
 
 
 @needs_cupy
@@ -151,7 +166,7 @@ def _run(command: list[str]) -> str:
     return result.stdout
 
 
-WGMMA = variants(BY_NAME["wgmma"])
+WGMMA = variants(BY_NAME["wgmma"]) + variants(BY_NAME["fp16x3"])
 
 
 @needs_cupy
@@ -159,7 +174,7 @@ WGMMA = variants(BY_NAME["wgmma"])
 def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
     from pictor_diffusers.nvrtc import compile_cubin
 
-    cubin = compile_cubin(variant, "sm_90a")
+    cubin = compile_cubin(variant, variant.arch((9, 0)))
     assert cubin[:4] == b"\x7fELF", "compile_cubin did not return an ELF cubin"
     assert len(cubin) >= elf_extent(cubin), f"cubin truncated: {len(cubin)} bytes, its headers need {elf_extent(cubin)}"
     assert variant.spec.entry.encode() in cubin
@@ -190,7 +205,7 @@ def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.M
 def test_sources_hold_the_entries() -> None:
     from pictor_diffusers.sources import read_source
 
-    for spec in (*KERNELS, PROLOGUE):
+    for spec in (*KERNELS, PROLOGUE, SPLIT):
         source = read_source(spec.source)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
         assert '#include "common.cuh"' in source, f"{spec.source} does not use the shared header"

@@ -43,11 +43,12 @@ CASES = [
     (("float16", None, 128, H200, True), ("wgmma", False, 128, "float16")),
     (("bfloat16", None, 64, H200, True), ("mma16", False, 64, "bfloat16")),
     (("bfloat16", None, 128, A100, True), ("mma16", False, 128, "bfloat16")),
-    (("bfloat16", None, 128, H200, False), ("tf32x3", True, 128, "bfloat16")),
+    (("bfloat16", None, 128, H200, False), ("fp16x3", True, 128, "bfloat16")),
     (("bfloat16", None, 96, A100, True), ("tf32x3", True, 96, "bfloat16")),
     (("float16", None, 32, T4, True), ("f32", True, 128, "float32")),
-    (("float32", None, 128, H200, True), ("tf32x3", False, 128, "float32")),
-    (("float32", "bfloat16", 128, H200, True), ("tf32x3", False, 128, "bfloat16")),
+    (("float32", None, 128, H200, True), ("fp16x3", False, 128, "float32")),
+    (("float32", "bfloat16", 128, H200, True), ("fp16x3", False, 128, "bfloat16")),
+    (("float32", None, 96, H200, True), ("tf32x3", False, 96, "float32")),
     (("float32", None, 128, L4, True), ("f32", False, 128, "float32")),
     (("float32", "float16", 100, H200, True), ("f32", False, 128, "float32")),
     (("float32", None, 200, H200, True), ("f32", False, 256, "float32")),
@@ -131,8 +132,8 @@ def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: b
 
 
 def test_choices_and_families() -> None:
-    assert KERNEL_CHOICES == ("auto", "wgmma", "mma16", "tf32x3", "f32")
-    assert kernels_for("float32") == ("auto", "tf32x3", "f32")
+    assert KERNEL_CHOICES == ("auto", "fp16x3", "wgmma", "mma16", "tf32x3", "f32")
+    assert kernels_for("float32") == ("auto", "fp16x3", "tf32x3", "f32")
     assert kernels_for("bfloat16") == kernels_for("float16") == ("auto", "wgmma", "mma16")
 
 
@@ -153,7 +154,8 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
 
 def test_compile_flags_match_the_pre_registry_builds() -> None:
     """CuPy compiled the CuPy-launched kernels with -ftz=true; the registry keeps that explicitly
-    (same source, same options: the same machine code), and the wgmma cubin never had it."""
+    (same source, same options: the same machine code); the Hopper cubins never had it (fp16x3
+    keeps subnormal scale factors)."""
     for spec in KERNELS:
-        assert spec.flags == (() if spec.name == "wgmma" else ("-ftz=true",)), spec.name
+        assert spec.flags == (() if spec.name in ("wgmma", "fp16x3") else ("-ftz=true",)), spec.name
         assert all(option in variants(spec)[0].options() for option in spec.flags)
