@@ -89,8 +89,9 @@ def attention(
             f32 result rounded once. 16-bit inputs: None or the input dtype.
         kernel: "auto", or a kernel of the inputs' family in the registry
             (`pictor_diffusers.registry.KERNELS`). float32 inputs (the parity
-            path): "tf32x3" (3xTF32 tensor cores) or "f32" (the scalar-FP32
-            reference). bfloat16 / float16 inputs (the fast path): "wgmma"
+            path): "fp16x3" (Hopper: scaled fp16 hi/lo splits, three wgmma
+            products), "tf32x3" (3xTF32 on mma.sync, sm_80+) or "f32" (the
+            scalar-FP32 reference). bfloat16 / float16 inputs (the fast path): "wgmma"
             (Hopper) or "mma16" (sm_80+).
 
     Returns:

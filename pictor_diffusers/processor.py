@@ -84,9 +84,10 @@ class PictorAttn:
     """Attention processor for FLUX.2 on pictor's attention kernels.
 
     Args:
-        kernel: for precision "fp32": "auto" (3xTF32 tensor cores where the
-            GPU and head_dim allow, the scalar-FP32 kernel otherwise),
-            "tf32x3" or "f32" (the reference). For "bf16"/"fp16": "auto"
+        kernel: for precision "fp32": "auto" (fp16x3 wgmma on Hopper at
+            head_dim 128, 3xTF32 tensor cores where the GPU and head_dim allow,
+            the scalar-FP32 kernel otherwise), "fp16x3", "tf32x3" or "f32"
+            (the reference). For "bf16"/"fp16": "auto"
             (wgmma on Hopper, mma.sync elsewhere), "wgmma" or "mma16". For
             "auto": "auto" only.
         precision: "fp32" (parity, default), "bf16", "fp16" or "auto" (the
