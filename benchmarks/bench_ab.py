@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--candidate", type=Path, default=Path(__file__).resolve().parents[1], help="checkout B")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rows", help="comma list of kernel:dtype (default: every pictor row)")
+    parser.add_argument("--shapes", help="comma list of BxHxNxD (default: FLUX.2's B 1-2, H 24-48, N 1536-16896)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.serve:
@@ -104,7 +105,8 @@ def main() -> None:
     workers = {"A": Worker(args.baseline.resolve()), "B": Worker(args.candidate.resolve())}
     records = []
     rows = [tuple(row.split(":")) for row in args.rows.split(",")] if args.rows else ROWS
-    for shape in SHAPES:
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    for shape in shapes:
         for kernel, dtype in rows:
             if kernel == "f32" and shape[2] > MAX_F32_SEQ:
                 continue
