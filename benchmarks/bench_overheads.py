@@ -50,15 +50,15 @@ def first_call_seconds(cache_dir: str, dtype: torch.dtype) -> tuple[float, int]:
     return float(seconds), int(files)
 
 
-def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, float]:
-    """(host µs per call launched back to back, kernel µs per call) at B=1, H=2, N=64, D=128."""
+def per_call_overhead(dtype: torch.dtype, kernel: str = "auto", calls: int = 2000) -> tuple[float, float]:
+    """(host µs per call launched back to back, GPU µs per call) at B=1, H=2, N=64, D=128."""
     from pictor_diffusers import attention
 
     q = torch.randn(1, 2, 64, 128, device="cuda").to(dtype)
-    host = host_us_per_call(lambda: attention(q, q, q), calls)
+    host = host_us_per_call(lambda: attention(q, q, q, kernel=kernel), calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attention(q, q, q)
+        attention(q, q, q, kernel=kernel)
     graph.replay()
     torch.cuda.synchronize()
     replay_start, replay_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -70,16 +70,22 @@ def per_call_overhead(dtype: torch.dtype, calls: int = 2000) -> tuple[float, flo
     return host, replay_start.elapsed_time(replay_end) / 100 * 1e3
 
 
-def host_us_per_call(run: object, calls: int = 2000, batches: int = 10) -> float:
-    """Host µs per call of `run()`: the median over `batches` batches of back-to-back calls
-    (no synchronisation inside a batch), after a warm-up. The median keeps one batch slowed
-    by the host (another process, a full launch queue) from moving the figure."""
+GPU_HOLD_CYCLES = 100_000_000
+"""~50 ms of GPU spin queued before each batch: the batch's launches queue behind it, so the host
+loop is timed alone, never waiting on a full launch queue (tiny kernels with shared-memory
+reconfigurations between them can take longer on the GPU than their launches on the host)."""
+
+
+def host_us_per_call(run: object, calls: int = 2000, batches: int = 20) -> float:
+    """Host µs per call of `run()`: the median over `batches` batches of back-to-back calls issued
+    while the GPU is held busy (see GPU_HOLD_CYCLES), after a warm-up."""
     for _ in range(20):
         run()
     torch.cuda.synchronize()
     per_batch = calls // batches
     times = []
     for _ in range(batches):
+        torch.cuda._sleep(GPU_HOLD_CYCLES)
         start = time.perf_counter()
         for _ in range(per_batch):
             run()
@@ -112,6 +118,10 @@ def main() -> None:
             warm, _ = first_call_seconds(cache, dtype)
         host_us, kernel_us = per_call_overhead(dtype)
         prologue_us = per_call_prologue_overhead(dtype)
+        if dtype == torch.float32:
+            others = {f"host_us_per_call_{k}": per_call_overhead(dtype, k)[0] for k in ("tf32x3", "fp16x3")}
+        else:
+            others = {}
         records.append(
             {
                 "suite": "overheads",
@@ -123,6 +133,7 @@ def main() -> None:
                 "host_us_per_call": host_us,
                 "kernel_us_per_call_graph_replay": kernel_us,
                 "prologue_host_us_per_call": prologue_us,
+                **others,
             }
         )
     print(json.dumps(records, indent=1))

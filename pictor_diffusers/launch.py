@@ -121,18 +121,7 @@ def launch_attention(
     spec = variant.spec
     batch, heads, seq, head_dim = query.shape
     scalars = {"heads": heads, "seq": seq, "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E}
-    if spec.operands == "tensor_maps":
-        maps = [tensor_maps.tensor_map(t) for t in (query, key, value)]
-        operands: tuple[Any, ...] = (*(address for _, address in maps), out.data_ptr())
-        kinds: tuple[Any, ...] = (None, None, None, _U64)
-    elif spec.operands == "split_planes":
-        planes, colmax = split_planes(query, key, value)
-        maps = [tensor_maps.tensor_map(p, box_rows=_SPLIT_BOX_ROWS) for p in planes]
-        operands = (*(address for _, address in maps), out.data_ptr(), colmax.data_ptr())
-        kinds = (None, None, None, _U64, _U64)
-    else:
-        operands = (query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr())
-        kinds = (_U64,) * 4
+    operands, kinds, _keep = _operands(spec.operands, query, key, value, out)
     runtime.launch(
         runtime.function(variant, query.device.index),
         query.device.index,
@@ -142,6 +131,25 @@ def launch_attention(
         kinds + tuple(_SCALAR_TYPES[name] for name in spec.scalars),
         operands + tuple(scalars[name] for name in spec.scalars),
     )
+
+
+def _operands(
+    kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor
+) -> tuple[tuple[Any, ...], tuple[Any, ...], object]:
+    """(operand values, their ctypes kinds, what must stay referenced until the launch) of a row's
+    operand kind; "split_planes" runs the split prepass first."""
+    if kind == "pointers":
+        return (query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr()), (_U64,) * 4, None
+    if kind == "tensor_maps":
+        maps = [tensor_maps.tensor_map(t) for t in (query, key, value)]
+        return (*(address for _, address in maps), out.data_ptr()), (None, None, None, _U64), maps
+    planes, colmax = split_planes(query, key, value)
+    batch, heads, seq, head_dim = query.shape
+    shape, plane_bytes = (2, batch * heads, seq, head_dim), 2 * batch * heads * seq * head_dim * 2
+    pointer = planes.data_ptr()
+    maps = [tensor_maps.map_at(pointer + t * plane_bytes, shape, torch.float16, _SPLIT_BOX_ROWS) for t in range(3)]
+    operands = (*(address for _, address in maps), out.data_ptr(), colmax.data_ptr())
+    return operands, (None, None, None, _U64, _U64), (maps, planes, colmax)
 
 
 _SPLIT_SIGNATURE = (_U64,) * 5 + (_U32, _U32)

@@ -74,7 +74,14 @@ def tensor_map(tensor: torch.Tensor, box_rows: int = BOX_ROWS) -> tuple[ctypes.A
     The caller keeps the buffer referenced until the launch has been issued
     (the launch copies the map's bytes).
     """
-    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, box_rows)
+    return map_at(tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, box_rows)
+
+
+def map_at(
+    pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype, box_rows: int = BOX_ROWS
+) -> tuple[ctypes.Array, int]:
+    """`tensor_map` of the contiguous `[B, H, N, D]` tensor at device address `pointer` (no view needed)."""
+    key = (pointer, shape, dtype, box_rows)
     entry = _maps.get(key)
     if entry is not None:
         return entry
