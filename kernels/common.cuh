@@ -12,6 +12,7 @@
      Fast math    pk_exp2 (ex2.approx.ftz), pk_exp2_by<FAST>, pk_rcp (rcp.approx.ftz)
      Softmax      pk_mask_tail, pk_online_softmax, pk_rescale: the flash-attention
                   online softmax on mma.sync / wgmma accumulator tiles
+     LSE          pk_store_lse: the natural log-sum-exp of a row (optional output)
      Dtypes       pk_storage<KIND>, pk_pack2<KIND>, pk_store2<KIND>, pk_store4<KIND>:
                   KIND 0 is f32, 1 bfloat16, 2 float16 (16-bit values travel
                   as raw bit patterns in unsigned short); f32 -> 16-bit rounds
@@ -145,6 +146,16 @@ __device__ __forceinline__ void pk_rescale(float* o, const float* corr)
 {
     #pragma unroll
     for (int i = 0; i < MT * NT * 4; i++) o[i] *= corr[2 * (i / (NT * 4)) + ((i >> 1) & 1)];
+}
+
+/* ---- log-sum-exp output ---- */
+
+/* lse[index] = ln(sum_j exp(scale * s_j)) of a row, from its final running max
+   m (log2 units, scale applied) and running sum l >= 1: (m + log2 l) ln 2.
+   Nothing is written when lse is null (the caller asked for no LSE). */
+__device__ __forceinline__ void pk_store_lse(float* lse, unsigned long long index, float m_log2, float l)
+{
+    if (lse != nullptr) lse[index] = (m_log2 + log2f(l)) * 0.6931471805599453f;
 }
 
 /* ---- dtypes ---- */

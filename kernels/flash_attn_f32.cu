@@ -11,7 +11,7 @@
    Launch geometry (FA_BQ, FA_BK, FA_THREADS and FA_DMAX come from the host
    as -D, unsigned, e.g. -DFA_BQ=8u; the kernel checks them against its own
    design below):
-       grid  = (ceil(seq / FA_BQ), num_heads, batch)
+       grid  = (ceil(seq_q / FA_BQ), num_heads, batch)
        block = (FA_THREADS = 128, 1, 1)   -> FA_WARPS = 4 warps
        dynamic shared memory = 2 * FA_BK * head_dim * sizeof(float) bytes
          (Ksh | Vsh); with FA_BK = 32, head_dim 128 -> 32 KiB, 256 -> 64 KiB,
@@ -24,10 +24,16 @@
    Keys stream through shared memory in tiles of FA_BK (32) keys; any
    FA_BK >= 1 is correct.
 
-   Layout:
-       q, k, v : head-major  [batch, num_heads, seq, head_dim], contiguous f32
-       out     : token-major [batch, seq, num_heads * head_dim], contiguous f32
+   Layout (a window of rows: the host offsets each pointer to the window's
+   first row; pitches are the full tensors' row counts):
+       q       : head-major  [batch, num_heads, q_pitch, head_dim] f32, rows
+                 [0, seq_q) computed
+       k, v    : head-major  [batch, num_heads, kv_pitch, head_dim] f32, keys
+                 [0, seq_k) attended
+       out     : token-major [batch, out_pitch, num_heads * head_dim] f32
                  out[b, n, h*head_dim + d] = O[b, h, n, d]
+       lse     : [batch, out_pitch, num_heads] f32, natural log-sum-exp of
+                 each row's scaled logits; null: not written
 
    Variants: the host compiles this source once per FA_DMAX (the compile-time
    bound on head_dim that sizes the per-lane register arrays); any head_dim in
@@ -56,23 +62,29 @@ extern "C" __global__ void joint_attention_flash_f32(
     const float* __restrict__ k,
     const float* __restrict__ v,
     float* __restrict__ out,
+    float* __restrict__ lse,
     unsigned int num_heads,
-    unsigned int seq,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int q_pitch,
+    unsigned int kv_pitch,
+    unsigned int out_pitch,
     unsigned int head_dim,
     float scale)
 {
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;
     const unsigned int q0 = blockIdx.x * FA_BQ;
-    if (h >= num_heads || q0 >= seq) return;
+    if (h >= num_heads || q0 >= seq_q) return;
 
     const unsigned int tid = threadIdx.x;
     const unsigned int lane = tid & 31u;
     const unsigned int wid = tid >> 5u;
 
-    /* Offset of this (batch, head) slice in the head-major inputs. */
-    const unsigned long long head_off =
-        ((unsigned long long)b * num_heads + h) * (unsigned long long)seq * head_dim;
+    /* Offsets of this (batch, head) slice in the head-major inputs. */
+    const unsigned long long plane = (unsigned long long)b * num_heads + h;
+    const unsigned long long q_off = plane * q_pitch * head_dim;
+    const unsigned long long kv_off = plane * kv_pitch * head_dim;
 
     extern __shared__ float fa_smem[];
     float* Ksh = fa_smem;
@@ -90,10 +102,10 @@ extern "C" __global__ void joint_attention_flash_f32(
     for (unsigned int rr = 0u; rr < FA_RPW; rr++) {
         const unsigned int row = wid + rr * FA_WARPS;
         qrow[rr] = q0 + row;
-        owns[rr] = qrow[rr] < seq;
+        owns[rr] = qrow[rr] < seq_q;
         m[rr] = FA_NEG_INF;
         l[rr] = 0.0f;
-        const float* qsrc = q + head_off + (unsigned long long)qrow[rr] * head_dim;
+        const float* qsrc = q + q_off + (unsigned long long)qrow[rr] * head_dim;
         #pragma unroll
         for (unsigned int s = 0u; s < FA_MAXDPL; s++) {
             const unsigned int d = lane + s * 32u;
@@ -102,10 +114,10 @@ extern "C" __global__ void joint_attention_flash_f32(
         }
     }
 
-    const unsigned int k_tiles = (seq + FA_BK - 1u) / FA_BK;
+    const unsigned int k_tiles = (seq_k + FA_BK - 1u) / FA_BK;
     for (unsigned int kt = 0u; kt < k_tiles; kt++) {
         const unsigned int k0 = kt * FA_BK;
-        const unsigned int k_valid = min(FA_BK, seq - k0);
+        const unsigned int k_valid = min(FA_BK, seq_k - k0);
 
         /* Stage the key/value tile; rows past the sequence end are zeroed
            and never read by the score loop below. */
@@ -114,7 +126,7 @@ extern "C" __global__ void joint_attention_flash_f32(
             float kv = 0.0f;
             float vv = 0.0f;
             if (kk < k_valid) {
-                const unsigned long long src = head_off + (unsigned long long)k0 * head_dim + i;
+                const unsigned long long src = kv_off + (unsigned long long)k0 * head_dim + i;
                 kv = k[src];
                 vv = v[src];
             }
@@ -158,8 +170,9 @@ extern "C" __global__ void joint_attention_flash_f32(
     for (unsigned int rr = 0u; rr < FA_RPW; rr++) {
         if (!owns[rr]) continue;
         const float inv = 1.0f / l[rr];
-        float* dst = out + ((unsigned long long)b * seq + qrow[rr]) * inner
-                         + (unsigned long long)h * head_dim;
+        const unsigned long long token = (unsigned long long)b * out_pitch + qrow[rr];
+        float* dst = out + token * inner + (unsigned long long)h * head_dim;
+        if (lse != nullptr && lane == 0u) lse[token * num_heads + h] = m[rr] + logf(l[rr]);
         #pragma unroll
         for (unsigned int s = 0u; s < FA_MAXDPL; s++) {
             const unsigned int d = lane + s * 32u;

@@ -19,7 +19,7 @@
 
    Launch geometry (X3_D, X3_OUT_KIND, X3_BQ, X3_BK, X3_STAGES, X3_THREADS and
    X3_SMEM_BYTES come from the host as -D; static_asserts check them):
-       grid  = (ceil(seq / X3_BQ), num_heads, batch), X3_BQ = 128 query rows
+       grid  = (ceil(seq_q / X3_BQ), num_heads, batch), X3_BQ = 128 query rows
        block = X3_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
        dynamic shared memory = X3_SMEM_BYTES = 197,704 bytes at X3_STAGES = 2:
            Q hi and lo (128 x 128 each), X3_STAGES x (K hi, K lo, V hi, V lo,
@@ -30,12 +30,15 @@
        PV: m64n128k16, A = P from registers (S's accumulator layout, packed
            pairwise), B = V read transposed (MN-major; slabs LBO apart)
    Layout:
-       planes  : [3][2][batch * num_heads][seq][128] float16 from the split,
-                 as three rank-3 tensor maps (one per q, k, v: dims 128, seq,
-                 2 * batch * num_heads, hi planes first; box 64 x 64 x 1)
+       planes  : float16 from the split, [2][batch * num_heads][rows][128]
+                 per tensor (rows: seq_q for q, seq_k for k and v), as three
+                 rank-3 tensor maps (dims 128, rows, 2 * batch * num_heads, hi
+                 planes first; box 64 x 64 x 1)
        colmax  : [3][batch * num_heads][128] u32 from the split (the scales)
-       out     : token-major [batch, seq, num_heads * 128] in X3_OUT_KIND
-                 (0: f32, 1: bf16, 2: f16)
+       out     : token-major [batch, out_pitch, num_heads * 128] in X3_OUT_KIND
+                 (0: f32, 1: bf16, 2: f16), offset by the host to the window's
+                 first row
+       lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
    Precision: about 2^-22 relative per product term, f32 softmax, IEEE
    accumulation across key tiles; the output rounds once. Needs sm_90a. */
 
@@ -105,7 +108,7 @@ __device__ __forceinline__ x3_smem x3_carve(unsigned char* raw)
 }
 
 /* Both planes of `boxes` 64-row boxes from `row` (two 64-column slabs each) into
-   hi at dst and lo at dst + plane_bytes. Boxes wholly past seq are not copied:
+   hi at dst and lo at dst + plane_bytes. Boxes wholly past seq_q are not copied:
    their rows only feed query rows that are never stored. */
 __device__ __forceinline__ void x3_copy_planes(unsigned int dst, unsigned int plane_bytes, const pk_tensor_map* map,
                                                int row, unsigned int boxes, int hi_plane, int lo_plane,
@@ -126,10 +129,10 @@ __device__ __forceinline__ void x3_copy_planes(unsigned int dst, unsigned int pl
 
 __device__ __forceinline__ void x3_produce(const x3_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
                                            const pk_tensor_map* tm_v, int head, int heads_total, unsigned int q0,
-                                           unsigned int seq, unsigned int n_tiles)
+                                           unsigned int seq_q, unsigned int n_tiles)
 {
     const int lo = heads_total + head;
-    const unsigned int q_boxes = min(X3_BQ / 64, (seq - q0 + 63) / 64);
+    const unsigned int q_boxes = min(X3_BQ / 64, (seq_q - q0 + 63) / 64);
     x3_copy_planes(m.q(0), X3_Q_PLANE, tm_q, (int)q0, q_boxes, head, lo, m.q_full());
     for (unsigned int j = 0; j < n_tiles; j++) {
         const unsigned int s = j % X3_STAGES, parity = (j / X3_STAGES - 1) & 1;
@@ -207,9 +210,10 @@ __device__ __forceinline__ float x3_logit_factor(const unsigned int* colmax, uns
     return ldexpf(scale_log2, -exponent);
 }
 
-__device__ __forceinline__ void x3_store(typename pk_storage<X3_OUT_KIND>::type* __restrict__ out, const float* o,
+__device__ __forceinline__ void x3_store(typename pk_storage<X3_OUT_KIND>::type* __restrict__ out,
+                                         float* __restrict__ lse, const float* o, const float* m_run,
                                          const float* l_run, const unsigned int* colmax, unsigned int rows0,
-                                         unsigned int num_heads, unsigned int seq)
+                                         unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
 {
     const unsigned int group = blockIdx.z * num_heads + blockIdx.y, groups = gridDim.y * gridDim.z;
     const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2, t = threadIdx.x & 3u;
@@ -219,10 +223,11 @@ __device__ __forceinline__ void x3_store(typename pk_storage<X3_OUT_KIND>::type*
     for (int r = 0; r < 2; r++) {
         const float l = pk_quad_sum(l_run[r]);
         const unsigned int row = blockIdx.x * X3_BQ + rows0 + warp * 16 + g + 8 * r;
-        if (row >= seq) continue;
+        if (row >= seq_q) continue;
         const float inv = 1.f / (X3_P_SCALE * l);  /* then 2^-ev[d] per column, after the product */
-        typename pk_storage<X3_OUT_KIND>::type* dst =
-            out + ((unsigned long long)blockIdx.z * seq + row) * inner + (unsigned long long)blockIdx.y * X3_D + 2 * t;
+        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
+        typename pk_storage<X3_OUT_KIND>::type* dst = out + token * inner + (unsigned long long)blockIdx.y * X3_D + 2 * t;
+        if (t == 0) pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r], l);
         #pragma unroll
         for (int n = 0; n < 16; n++) {
             const float a = ldexpf(o[4 * n + 2 * r] * inv, -pk_split_exponent(v_max[8 * n]));
@@ -233,8 +238,9 @@ __device__ __forceinline__ void x3_store(typename pk_storage<X3_OUT_KIND>::type*
 }
 
 __device__ __forceinline__ void x3_consume(const x3_smem& m, typename pk_storage<X3_OUT_KIND>::type* __restrict__ out,
-                                           const unsigned int* __restrict__ colmax, unsigned int num_heads,
-                                           unsigned int seq, float scale_log2, unsigned int n_tiles)
+                                           float* __restrict__ lse, const unsigned int* __restrict__ colmax,
+                                           unsigned int num_heads, unsigned int seq_q, unsigned int seq_k,
+                                           unsigned int out_pitch, float scale_log2, unsigned int n_tiles)
 {
     const unsigned int rows0 = (threadIdx.x / 128 - 1) * 64;   /* this warpgroup's first row in the tile */
     const unsigned int t = threadIdx.x & 3u;
@@ -260,7 +266,7 @@ __device__ __forceinline__ void x3_consume(const x3_smem& m, typename pk_storage
         pk_warp_arrive(m.k_free(s));
         #pragma unroll
         for (int i = 0; i < 32; i++) sa[i] += sb[i];
-        pk_mask_tail<X3_BK / 8>(sa, j * X3_BK, seq, t);
+        pk_mask_tail<X3_BK / 8>(sa, j * X3_BK, seq_k, t);
         pk_online_softmax<X3_BK / 8, 1, true>(sa, m_run, l_run, corr, factor);
         x3_split_p(ph, pl, sa);
 
@@ -273,7 +279,7 @@ __device__ __forceinline__ void x3_consume(const x3_smem& m, typename pk_storage
         #pragma unroll
         for (int i = 0; i < 64; i++) o[i] = fmaf(o[i], corr[(i >> 1) & 1], pv[i]);
     }
-    x3_store(out, o, l_run, colmax, rows0, num_heads, seq);
+    x3_store(out, lse, o, m_run, l_run, colmax, rows0, num_heads, seq_q, out_pitch);
 }
 
 extern "C" __global__ void __launch_bounds__(X3_THREADS, 1)
@@ -282,14 +288,17 @@ joint_attention_fp16x3(
     const __grid_constant__ pk_tensor_map tm_k,
     const __grid_constant__ pk_tensor_map tm_v,
     typename pk_storage<X3_OUT_KIND>::type* __restrict__ out,
+    float* __restrict__ lse,
     const unsigned int* __restrict__ colmax,
     unsigned int num_heads,
-    unsigned int seq,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int out_pitch,
     float scale_log2)
 {
     extern __shared__ __align__(1024) unsigned char x3_smem_raw[];
     const x3_smem m = x3_carve(x3_smem_raw);
-    const unsigned int n_tiles = (seq + X3_BK - 1) / X3_BK;
+    const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 
     if (threadIdx.x == 0) {
         pk_bar_init(m.q_full(), 1);
@@ -308,11 +317,11 @@ joint_attention_fp16x3(
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
         if (threadIdx.x == 0) {
             const int head = (int)(blockIdx.z * num_heads + blockIdx.y);
-            x3_produce(m, &tm_q, &tm_k, &tm_v, head, (int)(gridDim.y * gridDim.z), blockIdx.x * X3_BQ, seq,
+            x3_produce(m, &tm_q, &tm_k, &tm_v, head, (int)(gridDim.y * gridDim.z), blockIdx.x * X3_BQ, seq_q,
                        n_tiles);
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        x3_consume(m, out, colmax, num_heads, seq, scale_log2, n_tiles);
+        x3_consume(m, out, lse, colmax, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles);
     }
 }

@@ -8,7 +8,7 @@
    Launch geometry (MH_D, MH_IN_KIND, MH_BQ, MH_BK, MH_THREADS and
    MH_SMEM_BYTES come from the host as -D; static_asserts below check them
    against this kernel's own formulas):
-       grid  = (ceil(seq / MH_BQ), num_heads, batch), MH_BQ = 128 query rows
+       grid  = (ceil(seq_q / MH_BQ), num_heads, batch), MH_BQ = 128 query rows
        block = MH_THREADS = 128 = 4 warps; warp w owns rows 32w .. 32w+31 as
                two m16 tiles, so every K / V fragment feeds two MMAs
        dynamic shared memory = MH_SMEM_BYTES = (MH_BQ + 2 * MH_BK) * MH_LDB bytes,
@@ -17,7 +17,7 @@
            K tile [MH_BK] rows, V tile [MH_BK] rows
        MH_BK = 64 keys per tile:
            MH_D = 128: 69632 B = 68 KiB (opted in), MH_D = 64: 36864 B = 36 KiB
-   Pipeline (cp.async.cg, 16 B, rows past seq zero-filled by src-size 0): the
+   Pipeline (cp.async.cg, 16 B, rows past the window zero-filled by src-size 0): the
    copy of V[j] runs under S = Q K[j]^T and the softmax, the copy of K[j+1]
    under O += P V[j]; two __syncthreads per key tile order the reuse.
 
@@ -30,13 +30,18 @@
    in eight distinct bank groups (row r starts at chunk 17r or 9r, = r mod 8),
    so every load is bank-conflict-free, and every fragment address is one
    per-lane register plus an immediate.
-   Keys >= seq get logit -inf (every tile holds at least one valid key, so the
+   Keys >= seq_k get logit -inf (every tile holds at least one valid key, so the
    running max stays finite after the first tile).
 
-   Layout:
-       q, k, v : head-major  [batch, num_heads, seq, MH_D], contiguous 16-bit
-                 bit patterns (MH_IN_KIND 1: bfloat16, 2: float16), 16-byte aligned
-       out     : token-major [batch, seq, num_heads * MH_D], same dtype
+   Layout (a window of rows: the host offsets each pointer to the window's
+   first row; pitches are the full tensors' row counts):
+       q       : head-major  [batch, num_heads, q_pitch, MH_D] 16-bit bit
+                 patterns (MH_IN_KIND 1: bfloat16, 2: float16), 16-byte
+                 aligned; rows [0, seq_q) computed
+       k, v    : head-major  [batch, num_heads, kv_pitch, MH_D], same dtype;
+                 keys [0, seq_k) attended
+       out     : token-major [batch, out_pitch, num_heads * MH_D], same dtype
+       lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
    Precision: f32 logits, softmax state and accumulators (exp2 and the final
    1 / l by the ex2.approx / rcp.approx units). P is rounded to the input
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
@@ -143,8 +148,13 @@ joint_attention_mma16(
     const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v,
     unsigned short* __restrict__ out,
+    float* __restrict__ lse,
     unsigned int num_heads,
-    unsigned int seq,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int q_pitch,
+    unsigned int kv_pitch,
+    unsigned int out_pitch,
     float scale_log2)
 {
     extern __shared__ __align__(16) unsigned char mh_smem[];
@@ -159,12 +169,13 @@ joint_attention_mma16(
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int g = lane >> 2;
     const unsigned int t = lane & 3u;
-    const unsigned long long head_off = ((unsigned long long)b * num_heads + h) * seq * MH_D;
-    const unsigned short* kh = k + head_off;
-    const unsigned short* vh = v + head_off;
+    const unsigned long long plane = (unsigned long long)b * num_heads + h;
+    const unsigned long long kv_off = plane * kv_pitch * MH_D;
+    const unsigned short* kh = k + kv_off;
+    const unsigned short* vh = v + kv_off;
 
-    mh_copy_tile<MH_BQ>(sQ, q + head_off + (unsigned long long)q0 * MH_D, seq - q0);
-    mh_copy_tile<MH_BK>(sK, kh, seq);
+    mh_copy_tile<MH_BQ>(sQ, q + (plane * q_pitch + q0) * MH_D, seq_q - q0);
+    mh_copy_tile<MH_BK>(sK, kh, seq_k);
     pk_cp_async_commit();
 
     /* ldmatrix row addresses: lane l feeds row l % 8 of matrix l / 8.
@@ -191,12 +202,12 @@ joint_attention_mma16(
     float m_run[4] = {PK_NEG_INF, PK_NEG_INF, PK_NEG_INF, PK_NEG_INF};  /* max of scale*log2e*s */
     float l_run[4] = {0.f, 0.f, 0.f, 0.f};       /* this thread's part of the running sums */
 
-    const unsigned int n_tiles = (seq + MH_BK - 1) / MH_BK;
+    const unsigned int n_tiles = (seq_k + MH_BK - 1) / MH_BK;
     for (unsigned int tile = 0; tile < n_tiles; tile++) {
         const unsigned int k0 = tile * MH_BK;
         pk_cp_async_wait_all();
         __syncthreads();                  /* K[tile] (and Q) landed; V no longer read */
-        mh_copy_tile<MH_BK>(sV, vh + (unsigned long long)k0 * MH_D, seq - k0);
+        mh_copy_tile<MH_BK>(sV, vh + (unsigned long long)k0 * MH_D, seq_k - k0);
         pk_cp_async_commit();
 
         float s[2][MH_STILES][4];
@@ -218,7 +229,7 @@ joint_attention_mma16(
             }
         }
 
-        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, seq, t);
+        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, seq_k, t);
         float corr[4];
         pk_online_softmax<MH_STILES, 2, true>(&s[0][0][0], m_run, l_run, corr, scale_log2);
         pk_rescale<MH_OTILES, 2>(&o[0][0][0], corr);
@@ -226,7 +237,7 @@ joint_attention_mma16(
         pk_cp_async_wait_all();
         __syncthreads();                  /* V[tile] landed; K no longer read */
         if (tile + 1 < n_tiles) {
-            mh_copy_tile<MH_BK>(sK, kh + (unsigned long long)(k0 + MH_BK) * MH_D, seq - k0 - MH_BK);
+            mh_copy_tile<MH_BK>(sK, kh + (unsigned long long)(k0 + MH_BK) * MH_D, seq_k - k0 - MH_BK);
             pk_cp_async_commit();
         }
 
@@ -255,9 +266,11 @@ joint_attention_mma16(
     for (int ri = 0; ri < 4; ri++) {
         const int mt = ri >> 1, r = ri & 1;
         const unsigned int row = q0 + warp * 32u + mt * 16 + r * 8 + g;
-        if (row >= seq) continue;
+        if (row >= seq_q) continue;
         const float inv = pk_rcp(l_run[ri]);
-        unsigned short* dst = out + (((unsigned long long)b * seq + row) * num_heads + h) * MH_D + 2 * t;
+        const unsigned long long slot = ((unsigned long long)b * out_pitch + row) * num_heads + h;
+        unsigned short* dst = out + slot * MH_D + 2 * t;
+        if (t == 0) pk_store_lse(lse, slot, m_run[ri], l_run[ri]);
         #pragma unroll
         for (int j = 0; j < MH_OTILES; j++) {
             pk_store2<MH_IN_KIND>(dst + j * 8, o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);

@@ -11,7 +11,7 @@
    Launch geometry (FT_D, FT_OUT_KIND, FT_BQ, FT_BK, FT_THREADS and
    FT_SMEM_BYTES come from the host as -D; static_asserts below check them
    against this kernel's own formulas):
-       grid  = (ceil(seq / FT_BQ), num_heads, batch), FT_BQ = 128 query rows
+       grid  = (ceil(seq_q / FT_BQ), num_heads, batch), FT_BQ = 128 query rows
        block = FT_THREADS = 256 = 8 warps; warp w owns rows 16w .. 16w+15
        dynamic shared memory = FT_SMEM_BYTES (FT_D = 128: 213.5 KiB, opted in)
            Q tile  [FT_BQ][FT_LDQ] (hi, lo) pairs, split once per block
@@ -32,11 +32,15 @@
    Row strides (in 8-byte pairs) FT_LDQ = FT_LDK = FT_D + 4 and FT_LDV = FT_D + 2
    make every fragment load bank-conflict-free.
 
-   Layout:
-       q, k, v : head-major  [batch, num_heads, seq, FT_D], contiguous f32,
-                 16-byte aligned
-       out     : token-major [batch, seq, num_heads * FT_D]; f32, or the
+   Layout (a window of rows: the host offsets each pointer to the window's
+   first row; pitches are the full tensors' row counts):
+       q       : head-major  [batch, num_heads, q_pitch, FT_D] f32, 16-byte
+                 aligned; rows [0, seq_q) computed
+       k, v    : head-major  [batch, num_heads, kv_pitch, FT_D] f32, 16-byte
+                 aligned; keys [0, seq_k) attended
+       out     : token-major [batch, out_pitch, num_heads * FT_D]; f32, or the
                  16-bit bit patterns of bf16 / f16 (FT_OUT_KIND 1 / 2)
+       lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
@@ -142,8 +146,13 @@ joint_attention_tf32x3(
     const float* __restrict__ k,
     const float* __restrict__ v,
     ft_out_t* __restrict__ out,
+    float* __restrict__ lse,
     unsigned int num_heads,
-    unsigned int seq,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int q_pitch,
+    unsigned int kv_pitch,
+    unsigned int out_pitch,
     float scale_log2)
 {
     extern __shared__ __align__(16) uint2 ft_smem[];
@@ -158,19 +167,19 @@ joint_attention_tf32x3(
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int g = (threadIdx.x & 31u) >> 2;
     const unsigned int t = threadIdx.x & 3u;
-    const unsigned long long head_off = ((unsigned long long)b * num_heads + h) * seq * FT_D;
-    const float4* q4 = (const float4*)(q + head_off);
-    const float4* k4 = (const float4*)(k + head_off);
-    const float4* v4 = (const float4*)(v + head_off);
+    const unsigned long long plane = (unsigned long long)b * num_heads + h;
+    const float4* q4 = (const float4*)(q + plane * q_pitch * FT_D);
+    const float4* k4 = (const float4*)(k + plane * kv_pitch * FT_D);
+    const float4* v4 = (const float4*)(v + plane * kv_pitch * FT_D);
 
     for (unsigned int idx = threadIdx.x; idx < FT_BQ * FT_F4_ROW; idx += FT_THREADS) {
-        const bool valid = q0 + idx / FT_F4_ROW < seq;
+        const bool valid = q0 + idx / FT_F4_ROW < seq_q;
         const float4 x = valid ? q4[(unsigned long long)q0 * FT_F4_ROW + idx] : make_float4(0.f, 0.f, 0.f, 0.f);
         ft_store_split4(Qs, FT_LDQ, idx, x);
     }
     float4 k_next[FT_F4_PER_THREAD];
-    ft_load_tile(k4, 0u, seq, k_next);
-    ft_copy_tile_async(V_raw, v4, 0u, seq);
+    ft_load_tile(k4, 0u, seq_k, k_next);
+    ft_copy_tile_async(V_raw, v4, 0u, seq_k);
 
     float o[FT_NTILES_O][4];
     #pragma unroll
@@ -179,7 +188,7 @@ joint_attention_tf32x3(
     float l_run[2] = {0.f, 0.f};                 /* this thread's part of the running sums */
     const uint2* Qw = Qs + warp * 16 * FT_LDQ;
 
-    const unsigned int n_tiles = (seq + FT_BK - 1) / FT_BK;
+    const unsigned int n_tiles = (seq_k + FT_BK - 1) / FT_BK;
     for (unsigned int tile = 0; tile < n_tiles; tile++) {
         const unsigned int k0 = tile * FT_BK;
         __syncthreads();
@@ -192,8 +201,8 @@ joint_attention_tf32x3(
         }
         __syncthreads();
         if (tile + 1 < n_tiles) {
-            ft_load_tile(k4, k0 + FT_BK, seq, k_next);
-            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, seq);
+            ft_load_tile(k4, k0 + FT_BK, seq_k, k_next);
+            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, seq_k);
         }
 
         /* hi.hi products and the two cross terms accumulate apart: tensor-core
@@ -222,7 +231,7 @@ joint_attention_tf32x3(
             for (int c = 0; c < 4; c++) s[n][c] += s_cross[n][c];
         }
 
-        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, seq, t);
+        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, seq_k, t);
         float corr[2];
         pk_online_softmax<FT_NTILES_S, 1, false>(&s[0][0], m_run, l_run, corr, scale_log2);
         /* O = O * corr + P V. Each chunk of FT_PV_CHUNK output tiles sums this
@@ -258,9 +267,11 @@ joint_attention_tf32x3(
     #pragma unroll
     for (int r = 0; r < 2; r++) {
         const unsigned int row = q0 + warp * 16 + g + 8 * r;
-        if (row >= seq) continue;
+        if (row >= seq_q) continue;
         const float inv = 1.f / l_run[r];
-        ft_out_t* dst = out + ((unsigned long long)b * seq + row) * inner + (unsigned long long)h * FT_D + 2 * t;
+        const unsigned long long token = (unsigned long long)b * out_pitch + row;
+        ft_out_t* dst = out + token * inner + (unsigned long long)h * FT_D + 2 * t;
+        if (t == 0) pk_store_lse(lse, token * num_heads + h, m_run[r], l_run[r]);
         #pragma unroll
         for (int j = 0; j < FT_NTILES_O; j++) {
             pk_store2<FT_OUT_KIND>(dst + j * 8, o[j][2 * r] * inv, o[j][2 * r + 1] * inv);

@@ -18,7 +18,7 @@
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
    against this kernel's own formulas; WG_STAGES is the one free choice):
-       grid  = (ceil(seq / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
+       grid  = (ceil(seq_q / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
        dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes at WG_STAGES = 3
        (224 KiB of tiles, 1 KiB of alignment slack, 104 bytes of mbarriers):
@@ -32,11 +32,15 @@
                    (MN-major descriptor: the 64-column slabs are LBO apart).
 
    Layout:
-       q, k, v : head-major [batch, num_heads, seq, 128], contiguous 16-bit,
-                 described by three rank-3 tensor maps (dims 128, seq,
-                 batch * num_heads; box 64 x 128 x 1; 128-byte swizzle); rows
-                 past seq are zero-filled by the copy engine
-       out     : token-major [batch, seq, num_heads * 128], same dtype
+       q, k, v : head-major 16-bit planes [batch * num_heads][pitch][128],
+                 described by three rank-3 tensor maps of a window of rows
+                 (dims 128, seq_q or seq_k, batch * num_heads; the plane
+                 stride is the full tensor's; box 64 x 128 x 1; 128-byte
+                 swizzle); rows past the window are zero-filled by the copy
+                 engine, and keys >= seq_k masked
+       out     : token-major [batch, out_pitch, num_heads * 128], same dtype,
+                 offset by the host to the window's first row
+       lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
@@ -158,8 +162,9 @@ __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map
     }
 }
 
-__device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __restrict__ out, unsigned int num_heads,
-                                           unsigned int seq, float scale_log2, unsigned int n_tiles)
+__device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __restrict__ out, float* __restrict__ lse,
+                                           unsigned int num_heads, unsigned int seq_q, unsigned int seq_k,
+                                           unsigned int out_pitch, float scale_log2, unsigned int n_tiles)
 {
     const unsigned int rows0 = (threadIdx.x / 128 - 1) * 64;   /* this warpgroup's first row in the tile */
     const unsigned int warp = (threadIdx.x / 32) & 3u;
@@ -181,7 +186,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     pk_wgmma_wait<0>();
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(0));
-    pk_mask_tail<WG_BK / 8>(s, 0, seq, t);
+    pk_mask_tail<WG_BK / 8>(s, 0, seq_k, t);
     pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
     wg_pack_p(p, s);
 
@@ -197,7 +202,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         pk_wgmma_wait<1>();
         pk_pin<64>(s);
         pk_warp_arrive(m.k_free(st));
-        pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq, t);
+        pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq_k, t);
         pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
         pk_wgmma_wait<0>();
         pk_pin<64>(o);
@@ -218,10 +223,11 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     for (int r = 0; r < 2; r++) {
         const float l = pk_quad_sum(l_run[r]);
         const unsigned int row = blockIdx.x * WG_BQ + rows0 + warp * 16 + g + 8 * r;
-        if (row >= seq) continue;
+        if (row >= seq_q) continue;
         const float inv = 1.f / l;
-        unsigned short* dst = out + ((unsigned long long)blockIdx.z * seq + row) * inner +
-                              (unsigned long long)blockIdx.y * WG_D + 2 * t;
+        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
+        unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * WG_D + 2 * t;
+        if (t == 0) pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r], l);
         #pragma unroll
         for (int n = 0; n < 16; n++) {
             pk_store2<WG_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
@@ -235,13 +241,16 @@ joint_attention_wgmma(
     const __grid_constant__ pk_tensor_map tm_k,
     const __grid_constant__ pk_tensor_map tm_v,
     unsigned short* __restrict__ out,
+    float* __restrict__ lse,
     unsigned int num_heads,
-    unsigned int seq,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int out_pitch,
     float scale_log2)
 {
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     const wg_smem m = wg_carve(wg_smem_raw);
-    const unsigned int n_tiles = (seq + WG_BK - 1) / WG_BK;
+    const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
 
     if (threadIdx.x == 0) {
         pk_bar_init(m.q_full(), 1);
@@ -264,6 +273,6 @@ joint_attention_wgmma(
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        wg_consume(m, out, num_heads, seq, scale_log2, n_tiles);
+        wg_consume(m, out, lse, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles);
     }
 }

@@ -22,8 +22,11 @@
                 h * PR_D of each token row; row and batch strides in elements;
                 rows 8-byte (16-bit) or 16-byte (f32) aligned
        weights: [PR_D] f32; cos, sin: [seq, PR_D] f32
-       outputs: q, k, v head-major [batch, num_heads, seq, PR_D] in PR_OUT_KIND
-                (0: f32, 1: bf16, 2: f16, written as raw bits)
+       outputs: q head-major [batch, num_heads, seq, PR_D], k and v
+                [batch, num_heads, seq + kv_gap, PR_D], in PR_OUT_KIND (0: f32,
+                1: bf16, 2: f16, written as raw bits); k/v rows from token
+                gap_at on move down by kv_gap, leaving rows [gap_at, gap_at +
+                kv_gap) unwritten (FLUX.2's reference-image KV cache fills them)
    Precision: f32 throughout; a 16-bit output is rounded once, to nearest even. */
 
 #include "common.cuh"
@@ -77,6 +80,7 @@ qkv_prologue(
     unsigned long long txt_row_stride, unsigned long long txt_batch_stride,
     unsigned long long img_row_stride, unsigned long long img_batch_stride,
     unsigned int text_len, unsigned int seq, unsigned int num_heads,
+    unsigned int gap_at, unsigned int kv_gap,
     float eps_q, float eps_k, int has_rope)
 {
     const unsigned int n = blockIdx.x;
@@ -116,7 +120,9 @@ qkv_prologue(
         }
         if (lane < PR_LANES) {
             pr_out_t* dst = tensor == 0 ? q_out : tensor == 1 ? k_out : v_out;
-            pk_store4<PR_OUT_KIND>(dst + (((unsigned long long)b * num_heads + h) * seq + n) * PR_D + d, x);
+            const unsigned int gap = tensor == 0 ? 0u : kv_gap;
+            const unsigned int out_row = n + (n >= gap_at ? gap : 0u);
+            pk_store4<PR_OUT_KIND>(dst + (((unsigned long long)b * num_heads + h) * (seq + gap) + out_row) * PR_D + d, x);
         }
     }
 }

@@ -14,12 +14,15 @@
    planes. colmax must be zero before phase 0.
 
    Launch geometry (SP_D, SP_ROWS and SP_THREADS come from the host as -D):
-       grid  = (batch * num_heads, ceil(seq / SP_ROWS), 3 tensors q, k, v)
+       grid  = (batch * num_heads, ceil(max(seq_q, seq_k) / SP_ROWS), 3 tensors q, k, v)
        block = SP_THREADS = 256 (8 warps); warp w takes rows w, w + 8, ... of
        the block's SP_ROWS rows; lane l holds columns 4l .. 4l + 3.
-   Layout:
-       q, k, v : head-major [batch, num_heads, seq, 128] f32, contiguous
-       planes  : [3 (q, k, v)][2 (hi, lo)][batch * num_heads][seq][128] float16
+   Layout (a window of rows: the host offsets q, k, v to the window's first
+   row; pitches are the full tensors' row counts):
+       q       : head-major [batch, num_heads, q_pitch, 128] f32, rows [0, seq_q)
+       k, v    : head-major [batch, num_heads, kv_pitch, 128] f32, rows [0, seq_k)
+       planes  : q's [2 (hi, lo)][batch * num_heads][seq_q][128] float16, then
+                 k's and v's, each [2][batch * num_heads][seq_k][128]
        colmax  : [3][batch * num_heads][128] u32
    Precision: exact scaling by powers of two; hi + lo = x 2^e to 2^-22 relative. */
 
@@ -86,15 +89,17 @@ __device__ __forceinline__ void sp_write_planes(const float* src, unsigned int r
 
 extern "C" __global__ void __launch_bounds__(SP_THREADS)
 split_fp16x2(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-             unsigned short* __restrict__ planes, unsigned int* __restrict__ colmax, unsigned int seq,
-             unsigned int phase)
+             unsigned short* __restrict__ planes, unsigned int* __restrict__ colmax, unsigned int seq_q,
+             unsigned int seq_k, unsigned int q_pitch, unsigned int kv_pitch, unsigned int phase)
 {
     const unsigned int tensor = blockIdx.z, group = blockIdx.x, groups = gridDim.x;
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned int seq = tensor == 0 ? seq_q : seq_k;
     const unsigned int row0 = blockIdx.y * SP_ROWS;
+    if (row0 >= seq) return;
     const unsigned int rows = min(SP_ROWS, seq - row0);
-    const unsigned long long offset = ((unsigned long long)group * seq + row0) * SP_D;
-    const float* src = (tensor == 0 ? q : tensor == 1 ? k : v) + offset;
+    const unsigned long long pitch = tensor == 0 ? q_pitch : kv_pitch;
+    const float* src = (tensor == 0 ? q : tensor == 1 ? k : v) + ((unsigned long long)group * pitch + row0) * SP_D;
     unsigned int* group_max = colmax + (tensor * groups + group) * SP_D;
     if (phase == 0) {
         sp_column_max(src, rows, group_max, lane, warp);
@@ -109,7 +114,8 @@ split_fp16x2(const float* __restrict__ q, const float* __restrict__ k, const flo
         const float s = ldexpf(1.f, pk_split_exponent(sp_group_max(group_max, lane)));
         scale = make_float4(s, s, s, s);
     }
-    unsigned short* hi = planes + (unsigned long long)(2 * tensor * groups) * seq * SP_D + offset;
+    const unsigned long long planes_before = tensor == 0 ? 0ull : (tensor == 1 ? seq_q : seq_q + seq_k);
+    unsigned short* hi = planes + (2ull * groups * planes_before + (unsigned long long)group * seq + row0) * SP_D;
     unsigned short* lo = hi + (unsigned long long)groups * seq * SP_D;
     sp_write_planes(src, rows, hi, lo, scale, lane, warp);
 }

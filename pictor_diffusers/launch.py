@@ -12,7 +12,7 @@ import ctypes
 import math
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
-_SCALAR_TYPES = {"heads": _U32, "seq": _U32, "head_dim": _U32, "scale": _F32, "scale_log2": _F32}
+_SCALAR_TYPES = {
+    "heads": _U32, "seq_q": _U32, "seq_k": _U32, "q_pitch": _U32, "kv_pitch": _U32, "out_pitch": _U32,
+    "head_dim": _U32, "scale": _F32, "scale_log2": _F32,
+}  # fmt: skip
 
 _resolved: dict[tuple[Any, ...], Selection] = {}
 _disabled: dict[int, dict[str, str]] = {}
@@ -83,6 +86,20 @@ def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
     return out
 
 
+class Window(NamedTuple):
+    """The rows one launch computes: query rows [q_start, q_stop) over keys [k_start, k_stop)."""
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+
+
+def full_window(query: torch.Tensor, key: torch.Tensor) -> Window:
+    """Every query row over every key."""
+    return Window(0, query.shape[2], 0, key.shape[2])
+
+
 def attention_cuda(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -91,41 +108,76 @@ def attention_cuda(
     kernel: str,
     out_dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    window: Window | None = None,
 ) -> torch.Tensor:
-    """Attention of validated CUDA inputs `[B, H, N, D]`, token-major `[B, N, H*D]` in `out_dtype`.
+    """Attention of validated CUDA inputs, token-major `[B, Nq, H*D]` in `out_dtype`.
 
-    `kernel` is "auto" or a registry name of the inputs' family; `out`, if given,
-    is the destination (contiguous, 16-byte aligned, `out_dtype`).
+    Args:
+        query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]` (contiguous, one dtype).
+        kernel: "auto" or a registry name of the inputs' family.
+        out: the destination, contiguous `[B, Nq, H*D]` `out_dtype`, 16-byte aligned;
+            required with a window.
+        lse: if given, `[B, Nq, H]` float32 contiguous: receives each computed row's natural
+            log-sum-exp of its scaled logits.
+        window: compute only query rows [q_start, q_stop) over keys [k_start, k_stop) (the
+            rest of `out` and `lse` is left as it is); default: all rows over all keys.
     """
-    batch, heads, seq, head_dim = query.shape
-    aligned = not (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16
+    batch, heads, seq_q, head_dim = query.shape
+    window = full_window(query, key) if window is None else window
+    q_at = window.q_start * head_dim * query.element_size()
+    k_at = window.k_start * head_dim * key.element_size()
+    aligned = not (query.data_ptr() + q_at | key.data_ptr() + k_at | value.data_ptr() + k_at) % 16
     selection = resolve(kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned)
     if selection.upcast:
         query, key, value = query.float(), key.float(), value.float()
     variant = selection.variant
     written = DTYPES[variant.out_dtype]
-    shape = (batch, seq, heads * head_dim)
+    shape = (batch, seq_q, heads * head_dim)
     result = output(out if written == out_dtype else None, shape, written, query.device)
-    launch_attention(variant, query, key, value, result, scale)
+    launch_attention(variant, query, key, value, result, lse, scale, window)
     if written == out_dtype:
         return result
     if out is None:
         return result.to(out_dtype)
-    return output(out, shape, out_dtype, query.device).copy_(result)
+    rows = slice(window.q_start, window.q_stop)
+    output(out, shape, out_dtype, query.device)[:, rows].copy_(result[:, rows])
+    return out
 
 
 def launch_attention(
-    variant: Variant, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scale: float
+    variant: Variant,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    scale: float,
+    window: Window,
 ) -> None:
-    """Launch an attention `variant` on inputs and an output it accepts (see `registry.blocker`)."""
+    """Launch an attention `variant` on inputs and an output it accepts (see `registry.blocker`),
+    for the rows of `window`."""
     spec = variant.spec
-    batch, heads, seq, head_dim = query.shape
-    scalars = {"heads": heads, "seq": seq, "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E}
-    operands, kinds, _keep = _operands(spec.operands, query, key, value, out)
+    batch, heads, seq_q, head_dim = query.shape
+    q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
+    row_bytes = head_dim * query.element_size()
+    pointers = (
+        query.data_ptr() + window.q_start * row_bytes,
+        key.data_ptr() + window.k_start * row_bytes,
+        value.data_ptr() + window.k_start * row_bytes,
+        out.data_ptr() + window.q_start * heads * head_dim * out.element_size(),
+        0 if lse is None else lse.data_ptr() + window.q_start * heads * 4,
+    )
+    geometry = Geometry(batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype)
+    scalars = {
+        "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": key.shape[2],
+        "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
+    }  # fmt: skip
+    operands, kinds, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
     runtime.launch(
         runtime.function(variant, query.device.index),
         query.device.index,
-        variant.grid(batch, heads, seq),
+        variant.grid(batch, heads, q_count),
         spec.threads,
         spec.shared_bytes(head_dim),
         kinds + tuple(_SCALAR_TYPES[name] for name in spec.scalars),
@@ -133,64 +185,95 @@ def launch_attention(
     )
 
 
+class Geometry(NamedTuple):
+    """What the operand builders need of a launch: planes (B*H), window rows, pitches, head_dim, dtype."""
+
+    planes: int
+    q_count: int
+    k_count: int
+    q_pitch: int
+    kv_pitch: int
+    head_dim: int
+    dtype: torch.dtype
+
+
 def _operands(
-    kind: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor
+    kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], object]:
     """(operand values, their ctypes kinds, what must stay referenced until the launch) of a row's
-    operand kind; "split_planes" runs the split prepass first."""
+    operand kind, from the window's (q, k, v, out, lse) addresses; "split_planes" runs the split
+    prepass first."""
     if kind == "pointers":
-        return (query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr()), (_U64,) * 4, None
+        return pointers, (_U64,) * 5, None
+    g = geometry
     if kind == "tensor_maps":
-        maps = [tensor_maps.tensor_map(t) for t in (query, key, value)]
-        return (*(address for _, address in maps), out.data_ptr()), (None, None, None, _U64), maps
-    planes, colmax = split_planes(query, key, value)
-    batch, heads, seq, head_dim = query.shape
-    shape, plane_bytes = (2, batch * heads, seq, head_dim), 2 * batch * heads * seq * head_dim * 2
-    pointer = planes.data_ptr()
-    maps = [tensor_maps.map_at(pointer + t * plane_bytes, shape, torch.float16, _SPLIT_BOX_ROWS) for t in range(3)]
-    operands = (*(address for _, address in maps), out.data_ptr(), colmax.data_ptr())
-    return operands, (None, None, None, _U64, _U64), (maps, planes, colmax)
+        maps = [
+            tensor_maps.map_at(pointers[0], g.planes, g.q_count, g.q_pitch, g.head_dim, g.dtype),
+            tensor_maps.map_at(pointers[1], g.planes, g.k_count, g.kv_pitch, g.head_dim, g.dtype),
+            tensor_maps.map_at(pointers[2], g.planes, g.k_count, g.kv_pitch, g.head_dim, g.dtype),
+        ]
+        return (*(address for _, address in maps), *pointers[3:]), (None, None, None, _U64, _U64), maps
+    planes, colmax = split_planes(pointers[:3], geometry, device_index)
+    base, half = planes.data_ptr(), 2
+    q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
+    k_bytes = 2 * g.planes * g.k_count * g.head_dim * half
+    maps = [
+        tensor_maps.map_at(base, 2 * g.planes, g.q_count, g.q_count, g.head_dim, torch.float16, _SPLIT_BOX_ROWS),
+        tensor_maps.map_at(base + q_bytes, 2 * g.planes, g.k_count, g.k_count, g.head_dim, torch.float16,
+                           _SPLIT_BOX_ROWS),
+        tensor_maps.map_at(base + q_bytes + k_bytes, 2 * g.planes, g.k_count, g.k_count, g.head_dim,
+                           torch.float16, _SPLIT_BOX_ROWS),
+    ]  # fmt: skip
+    operands = (*(address for _, address in maps), *pointers[3:], colmax.data_ptr())
+    return operands, (None, None, None, _U64, _U64, _U64), (maps, planes, colmax)
 
 
-_SPLIT_SIGNATURE = (_U64,) * 5 + (_U32, _U32)
+_SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5
 _SPLIT_BOX_ROWS = 64
 
 
-def split_planes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """f32 q, k, v `[B, H, N, 128]` as scaled float16 hi/lo planes, by the split kernel's two phases.
+def split_planes(
+    pointers: tuple[int, int, int], geometry: Geometry, device_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's f32 q, k, v (first-row addresses, `geometry`) as scaled float16 hi/lo planes,
+    by the split kernel's two phases.
 
-    Returns planes `[3 (q, k, v), 2 (hi, lo), B*H, N, 128]` float16 and the column maxima
-    `[3, B*H, 128]` (f32 bit patterns as int32) that give each group's scale.
+    Returns the planes (float16, flat: q's `[2 (hi, lo), planes, q_count, D]`, then k's and v's,
+    each `[2, planes, k_count, D]`) and the column maxima `[3, planes, D]` (f32 bit patterns as
+    int32) that give each group's scale.
     """
-    batch, heads, seq, head_dim = query.shape
-    groups, device = batch * heads, query.device
-    planes = torch.empty((3, 2, groups, seq, head_dim), dtype=torch.float16, device=device)
-    colmax = torch.zeros((3, groups, head_dim), dtype=torch.int32, device=device)
-    variant = split_variant(head_dim)
-    function = runtime.function(variant, device.index)
-    grid = (groups, -(-seq // variant.spec.rows_per_block), 3)
-    pointers = (query.data_ptr(), key.data_ptr(), value.data_ptr(), planes.data_ptr(), colmax.data_ptr())
+    g = geometry
+    device = torch.device("cuda", device_index)
+    planes = torch.empty(2 * g.planes * (g.q_count + 2 * g.k_count) * g.head_dim, dtype=torch.float16, device=device)
+    colmax = torch.zeros((3, g.planes, g.head_dim), dtype=torch.int32, device=device)
+    variant = split_variant(g.head_dim)
+    function = runtime.function(variant, device_index)
+    grid = (g.planes, -(-max(g.q_count, g.k_count) // variant.spec.rows_per_block), 3)
+    args = (*pointers, planes.data_ptr(), colmax.data_ptr(), g.q_count, g.k_count, g.q_pitch, g.kv_pitch)
     for phase in (0, 1):
-        runtime.launch(function, device.index, grid, variant.spec.threads, 0, _SPLIT_SIGNATURE, (*pointers, seq, phase))
+        runtime.launch(function, device_index, grid, variant.spec.threads, 0, _SPLIT_SIGNATURE, (*args, phase))
     return planes, colmax
 
 
-_PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 3 + (_F32, _F32, ctypes.c_int32)
+_PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 5 + (_F32, _F32, ctypes.c_int32)
 
 
 def qkv_prologue_cuda(
-    layout: PrologueLayout, out_dtype: torch.dtype = torch.float32
+    layout: PrologueLayout, out_dtype: torch.dtype = torch.float32, gap_at: int = 0, kv_gap: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run `qkv_prologue` on projections `validation.prologue_layout` accepted.
 
-    Returns q, k, v: new contiguous `[B, H, N, D]` tensors in `out_dtype`
-    (float32, bfloat16 or float16).
+    Returns q, k, v: new contiguous tensors in `out_dtype` (float32, bfloat16 or
+    float16), q `[B, H, N, D]`, k and v `[B, H, N + kv_gap, D]` whose rows from token
+    `gap_at` on sit `kv_gap` rows down (rows [gap_at, gap_at + kv_gap) are left unwritten).
     """
     shape = (layout.batch, layout.heads, layout.seq, layout.head_dim)
+    kv_shape = (layout.batch, layout.heads, layout.seq + kv_gap, layout.head_dim)
     device = torch.device("cuda", layout.device_index)
-    outs = [torch.empty(shape, dtype=out_dtype, device=device) for _ in range(3)]
+    outs = [torch.empty(s, dtype=out_dtype, device=device) for s in (shape, kv_shape, kv_shape)]
     variant = prologue_variant(layout.head_dim, DTYPE_NAMES[layout.dtype], DTYPE_NAMES[out_dtype])
-    scalars = [*layout.strides, layout.text_len, layout.seq, layout.heads, *layout.eps, int(layout.rope)]
+    extents = [layout.text_len, layout.seq, layout.heads, gap_at, kv_gap]
+    scalars = [*layout.strides, *extents, *layout.eps, int(layout.rope)]
     runtime.launch(
         runtime.function(variant, layout.device_index),
         layout.device_index,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import attention_cuda
+from .launch import Window, attention_cuda
 from .reference import online_softmax_attention
 from .validation import check_attention_inputs, check_kernel_choice, check_scale
 
@@ -23,11 +23,24 @@ OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 def _attention_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Validated inputs -> token-major `[B, N, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
+    """Validated inputs -> token-major `[B, Nq, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
     if query.device.type == "cuda":
         return attention_cuda(query, key, value, scale, kernel, out_dtype)
     upcast = tuple(t.float() for t in (query, key, value))
     return online_softmax_attention(*upcast, scale).to(out_dtype)
+
+
+def _attention_lse_impl(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attention_impl` plus each row's natural log-sum-exp, `[B, Nq, H]` float32."""
+    batch, heads, seq_q, _ = query.shape
+    if query.device.type == "cuda":
+        lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device)
+        return attention_cuda(query, key, value, scale, kernel, out_dtype, lse=lse), lse
+    upcast = tuple(t.float() for t in (query, key, value))
+    out, lse = online_softmax_attention(*upcast, scale, return_lse=True)
+    return out.to(out_dtype), lse
 
 
 def _validated(
@@ -56,11 +69,31 @@ def _attention_op_fake(
     return query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
 
 
-def _no_backward(ctx: object, grad: torch.Tensor) -> None:
+@torch.library.custom_op("pictor::attention_lse", mutates_args=())
+def _attention_lse_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {tuple(OUT_DTYPES)}, got {out_dtype!r}")
+    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
+    return _attention_lse_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
+
+
+@_attention_lse_op.register_fake
+def _attention_lse_op_fake(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seq, head_dim = query.shape
+    out = query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
+    return out, query.new_empty((batch, seq, heads), dtype=torch.float32)
+
+
+def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
     raise NotImplementedError("pictor-diffusers kernels are inference-only: attention has no backward")
 
 
 _attention_op.register_autograd(_no_backward)
+_attention_lse_op.register_autograd(_no_backward)
 
 
 def needs_op(*tensors: torch.Tensor) -> bool:
@@ -78,12 +111,13 @@ def attention(
     *,
     out_dtype: torch.dtype | None = None,
     kernel: str = "auto",
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Non-causal scaled-dot-product attention (inference only).
 
     Args:
-        query, key, value: head-major `[B, H, N, D]`, contiguous, one dtype, all
-            on one device. 1 <= D <= 384; any N >= 1.
+        query: head-major `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; contiguous,
+            one dtype, all on one device. 1 <= D <= 384; any Nq, Nk >= 1.
         scale: logit scale, finite and > 0; defaults to `D ** -0.5`.
         out_dtype: float32 inputs: float32 (default), bfloat16 or float16, the
             f32 result rounded once. 16-bit inputs: None or the input dtype.
@@ -93,10 +127,14 @@ def attention(
             products), "tf32x3" (3xTF32 on mma.sync, sm_80+) or "f32" (the
             scalar-FP32 reference). bfloat16 / float16 inputs (the fast path): "wgmma"
             (Hopper) or "mma16" (sm_80+).
+        return_lse: also return the natural log-sum-exp of each row's scaled
+            logits, `lse[b, n, h] = log(sum_j exp(scale * q[b, h, n] . k[b, h, j]))`,
+            `[B, Nq, H]` float32 (the layout diffusers' ring-attention merge uses).
 
     Returns:
-        token-major `[B, N, H*D]` on the inputs' device:
-        `out[b, n, h*D + d] = softmax(scale * q k^T)[b, h, n, :] @ v[b, h, :, d]`.
+        token-major `[B, Nq, H*D]` on the inputs' device:
+        `out[b, n, h*D + d] = softmax(scale * q k^T)[b, h, n, :] @ v[b, h, :, d]`;
+        with `return_lse`, `(out, lse)`.
 
     Precision: the parity path keeps f32 accuracy end to end (max-abs about
     1e-6 against float64 on N(0, 1) inputs). The fast path multiplies the
@@ -114,5 +152,59 @@ def attention(
     check_kernel_choice(kernel, query.dtype, out_dtype)
     check_scale(scale)
     if needs_op(query, key, value):
-        return torch.ops.pictor.attention(query, key, value, scale, kernel, str(out_dtype).removeprefix("torch."))
+        name = str(out_dtype).removeprefix("torch.")
+        op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
+        return op(query, key, value, scale, kernel, name)
+    if return_lse:
+        return _attention_lse_impl(query, key, value, scale, kernel, out_dtype)
     return _attention_impl(query, key, value, scale, kernel, out_dtype)
+
+
+def windowed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    windows: list[Window],
+    *,
+    out_dtype: torch.dtype,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """One token-major output `[B, Nq, H*D]` whose row blocks attend to different key ranges.
+
+    Args:
+        query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]` (as `attention` takes them).
+        windows: query rows [q_start, q_stop) over keys [k_start, k_stop) each; together
+            they must cover rows [0, Nq) once, in order.
+    On CUDA in eager mode each window is one launch into the shared output (no
+    copies); elsewhere each runs `attention` on its slices.
+    """
+    check_attention_inputs(query, key, value)
+    check_kernel_choice(kernel, query.dtype, out_dtype)
+    _check_windows(windows, query.shape[2], key.shape[2])
+    scale = query.shape[-1] ** -0.5
+    batch, heads, seq_q, head_dim = query.shape
+    if query.device.type == "cuda" and not needs_op(query, key, value):
+        out = torch.empty((batch, seq_q, heads * head_dim), dtype=out_dtype, device=query.device)
+        for window in windows:
+            attention_cuda(query, key, value, scale, kernel, out_dtype, out=out, window=window)
+        return out
+    parts = []
+    for w in windows:
+        keys = slice(w.k_start, w.k_stop)
+        sliced = (query[:, :, w.q_start : w.q_stop], key[:, :, keys], value[:, :, keys])
+        parts.append(attention(*(t.contiguous() for t in sliced), out_dtype=out_dtype, kernel=kernel))
+    return torch.cat(parts, dim=1)
+
+
+def _check_windows(windows: list[Window], seq_q: int, seq_k: int) -> None:
+    """Raise ValueError unless the windows tile query rows [0, seq_q) in order, each over a
+    non-empty key range inside [0, seq_k)."""
+    row = 0
+    for w in windows:
+        if w.q_start != row or w.q_stop <= w.q_start or not 0 <= w.k_start < w.k_stop <= seq_k:
+            break
+        row = w.q_stop
+    else:
+        if row == seq_q:
+            return
+    raise ValueError(f"windows must tile query rows [0, {seq_q}) in order over keys in [0, {seq_k}); got {windows}")

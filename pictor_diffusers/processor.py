@@ -42,6 +42,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttention
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
 from .flux1 import flux1_attention
+from .kv_cache import KvRequest, kv_attention, kv_gap, kv_request
 from .ops import attention
 from .parallel import check_local_rope, ulysses_attention, ulysses_group
 from .projections import joint_segments
@@ -94,9 +95,10 @@ class PictorAttn:
             model's 16-bit dtype where it has one); see the module docstring.
 
     Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
-    `FluxAttention`; anything else,
-    an attention mask, FLUX.2's reference-image KV cache, or an unknown
-    keyword raises an error that names it. Under diffusers' Ulysses context
+    `FluxAttention`, and FLUX.2-klein's reference-image KV cache
+    (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.kv_cache`);
+    anything else, an attention mask, or an unknown keyword raises an error
+    that names it. Under diffusers' Ulysses context
     parallelism (`enable_parallelism`, `ulysses_degree=P`) it attends over the
     whole sequence through `pictor_diffusers.parallel`; ring and unified ring x
     Ulysses configs raise NotImplementedError. CUDA tensors need CuPy (the
@@ -129,15 +131,16 @@ class PictorAttn:
         image_rotary_emb: Rope | None = None,
         kv_cache: Any = None,
         kv_cache_mode: str | None = None,
+        num_ref_tokens: int = 0,
+        num_txt_tokens: int = 0,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if kwargs:
             raise TypeError(f"PictorAttn does not understand the attention kwargs {sorted(kwargs)}")
-        ulysses_group(self._parallel_config)  # refuses ring / unified context parallelism up front
-        if kv_cache_mode is not None or kv_cache is not None:
+        ulysses = ulysses_group(self._parallel_config)  # refuses ring / unified context parallelism up front
+        if kv_cache_mode is not None and ulysses is not None:
             raise NotImplementedError(
-                f"PictorAttn does not serve FLUX.2 reference-image KV caching (kv_cache_mode={kv_cache_mode!r}); "
-                "use diffusers' Flux2KV processors for that mode"
+                f"PictorAttn does not serve kv_cache_mode={kv_cache_mode!r} under context parallelism"
             )
         given = {
             "encoder_hidden_states": encoder_hidden_states,
@@ -147,28 +150,39 @@ class PictorAttn:
         if isinstance(attn, Flux2ParallelSelfAttention):
             if encoder_hidden_states is not None:
                 raise TypeError("Flux2ParallelSelfAttention takes no encoder_hidden_states")
-            return self._single_stream(attn, hidden_states, **_bind(args, _SINGLE_STREAM_ARGS, given))
+            kv = kv_request(kv_cache_mode, kv_cache, num_txt_tokens, num_ref_tokens)
+            return self._single_stream(attn, hidden_states, kv, **_bind(args, _SINGLE_STREAM_ARGS, given))
         if isinstance(attn, Flux2Attention):
-            return self._double_stream(attn, hidden_states, **_bind(args, _DOUBLE_STREAM_ARGS, given))
+            bound = _bind(args, _DOUBLE_STREAM_ARGS, given)
+            text = bound["encoder_hidden_states"]
+            kv = kv_request(kv_cache_mode, kv_cache, 0 if text is None else text.shape[1], num_ref_tokens)
+            return self._double_stream(attn, hidden_states, kv, **bound)
+        if kv_cache_mode is not None:
+            raise TypeError(f"kv_cache_mode is a FLUX.2 mode; {type(attn).__name__} does not take it")
         if isinstance(attn, FluxAttention):
             return flux1_attention(self._attend, attn, hidden_states, **_bind(args, _DOUBLE_STREAM_ARGS, given))
         raise TypeError(
             f"PictorAttn serves Flux2Attention, Flux2ParallelSelfAttention and FluxAttention, not {type(attn).__name__}"
         )
 
-    def _attend(self, segments: list[Segment], head_dim: int, rope: Rope | None) -> torch.Tensor:
+    def _attend(
+        self, segments: list[Segment], head_dim: int, rope: Rope | None, kv: KvRequest | None = None
+    ) -> torch.Tensor:
         """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype.
 
         Under Ulysses context parallelism (`parallel.py`) the prologue runs on this rank's tokens, the
-        attention over the whole sequence, and N is this rank's token count.
+        attention over the whole sequence, and N is this rank's token count. `kv`: a KV-cache mode
+        (`kv_cache.py`).
         """
         dtype = segments[-1].query.dtype
         compute = self._compute_dtype(dtype)
         ulysses = ulysses_group(self._parallel_config)
         if ulysses is not None:
             check_local_rope(rope, sum(segment.query.shape[1] for segment in segments))
-        query, key, value = pack_head_major(segments, head_dim, rope, compute)
+        query, key, value = pack_head_major(segments, head_dim, rope, compute, kv_gap(kv))
         out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
+        if kv is not None:
+            return kv_attention(kv, query, key, value, out_dtype, self.kernel).to(dtype)
         if ulysses is None:
             return attention(query, key, value, out_dtype=out_dtype, kernel=self.kernel).to(dtype)
         run = partial(attention, out_dtype=out_dtype, kernel=self.kernel)
@@ -178,6 +192,7 @@ class PictorAttn:
         self,
         attn: Flux2Attention,
         hidden_states: torch.Tensor,
+        kv: KvRequest | None,
         encoder_hidden_states: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         image_rotary_emb: Rope | None,
@@ -185,7 +200,7 @@ class PictorAttn:
         _reject_mask(attention_mask)
         segments = joint_segments(attn, hidden_states, encoder_hidden_states)
 
-        hidden_states = self._attend(segments, attn.head_dim, image_rotary_emb)
+        hidden_states = self._attend(segments, attn.head_dim, image_rotary_emb, kv)
 
         if encoder_hidden_states is not None:
             text_len = encoder_hidden_states.shape[1]
@@ -202,6 +217,7 @@ class PictorAttn:
         self,
         attn: Flux2ParallelSelfAttention,
         hidden_states: torch.Tensor,
+        kv: KvRequest | None,
         attention_mask: torch.Tensor | None,
         image_rotary_emb: Rope | None,
     ) -> torch.Tensor:
@@ -213,6 +229,6 @@ class PictorAttn:
         qkv, mlp_hidden_states = projected.split([local_qkv, projected.shape[-1] - local_qkv], dim=-1)
         segment = Segment(*qkv.chunk(3, dim=-1), attn.norm_q, attn.norm_k)
 
-        attn_output = self._attend([segment], attn.head_dim, image_rotary_emb)
+        attn_output = self._attend([segment], attn.head_dim, image_rotary_emb, kv)
         mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
         return attn.to_out(torch.cat([attn_output, mlp_hidden_states], dim=-1))

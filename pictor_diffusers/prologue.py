@@ -99,18 +99,33 @@ def pack_head_major_torch(
     return tuple(t.transpose(1, 2).contiguous() for t in (query, key, value))
 
 
+def _open_gap(tensor: torch.Tensor, gap_at: int, kv_gap: int) -> torch.Tensor:
+    """`[B, H, N, D]` -> `[B, H, N + kv_gap, D]` with rows from `gap_at` on moved `kv_gap` down
+    (the gap rows uninitialised), as the kernel writes k and v."""
+    if kv_gap == 0:
+        return tensor
+    batch, heads, seq, head_dim = tensor.shape
+    out = tensor.new_empty((batch, heads, seq + kv_gap, head_dim))
+    out[:, :, :gap_at] = tensor[:, :, :gap_at]
+    out[:, :, gap_at + kv_gap :] = tensor[:, :, gap_at:]
+    return out
+
+
 def _prologue_impl(
     projections: list[torch.Tensor],
     weights: list[torch.Tensor],
     rope: list[torch.Tensor],
     eps: list[float],
     dtype: torch.dtype,
+    gap_at: int = 0,
+    kv_gap: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernel for CUDA projections in a layout it takes, else the torch twin."""
     layout = prologue_layout(projections, weights, rope, eps)
     if layout is not None and layout.device_index >= 0:
-        return qkv_prologue_cuda(layout, dtype)
-    return tuple(t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
+        return qkv_prologue_cuda(layout, dtype, gap_at, kv_gap)
+    query, key, value = (t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
+    return query, _open_gap(key, gap_at, kv_gap), _open_gap(value, gap_at, kv_gap)
 
 
 @torch.library.custom_op("pictor::qkv_prologue", mutates_args=())
@@ -120,8 +135,10 @@ def _prologue_op(
     rope: list[torch.Tensor],
     eps: list[float],
     out_dtype: str = "float32",
+    gap_at: int = 0,
+    kv_gap: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _prologue_impl(projections, weights, rope, eps, _DTYPES[out_dtype])
+    return _prologue_impl(projections, weights, rope, eps, _DTYPES[out_dtype], gap_at, kv_gap)
 
 
 @_prologue_op.register_fake
@@ -131,11 +148,14 @@ def _prologue_op_fake(
     rope: list[torch.Tensor],
     eps: list[float],
     out_dtype: str = "float32",
+    gap_at: int = 0,
+    kv_gap: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     image, head_dim = projections[-1], weights[0].shape[0]
     seq = sum(p.shape[1] for p in projections[::3])
     shape = (image.shape[0], image.shape[-1] // head_dim, seq, head_dim)
-    return tuple(image.new_empty(shape, dtype=_DTYPES[out_dtype]) for _ in range(3))
+    kv_shape = (*shape[:2], seq + kv_gap, head_dim)
+    return tuple(image.new_empty(s, dtype=_DTYPES[out_dtype]) for s in (shape, kv_shape, kv_shape))
 
 
 def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
@@ -146,7 +166,11 @@ _prologue_op.register_autograd(_no_backward)
 
 
 def pack_head_major(
-    segments: list[Segment], head_dim: int, rope: Rope | None, dtype: torch.dtype = torch.float32
+    segments: list[Segment],
+    head_dim: int,
+    rope: Rope | None,
+    dtype: torch.dtype = torch.float32,
+    kv_gap: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, ...]:
     """QK norm, join, RoPE and head-major packing of one or two segments.
 
@@ -156,10 +180,12 @@ def pack_head_major(
         head_dim: D.
         rope: `(cos, sin)`, each `[sum n_i, D]`, or None.
         dtype: float32, bfloat16 or float16 for the outputs (math is f32 either way).
+        kv_gap: (at, rows): k and v get `rows` unwritten rows before token `at` (where
+            FLUX.2's cached reference-image K/V go); (0, 0) for none.
 
     Returns:
-        q, k, v: contiguous `[B, H, N, D]` in `dtype`, N = sum of n_i. On CUDA one
-        launch of the fused prologue kernel where the layout allows it.
+        q: contiguous `[B, H, N, D]` in `dtype`, N = sum of n_i; k, v: `[B, H, N + rows, D]`.
+        On CUDA one launch of the fused prologue kernel where the layout allows it.
     """
     if dtype not in _DTYPES.values():
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
@@ -170,5 +196,6 @@ def pack_head_major(
     projections = [t for segment in segments for t in segment[:3]]
     weights, eps = [w for w, _ in params], [e for _, e in params]
     if needs_op(*projections):
-        return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, str(dtype).removeprefix("torch."))
-    return _prologue_impl(projections, weights, rope_list, eps, dtype)
+        name = str(dtype).removeprefix("torch.")
+        return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, name, *kv_gap)
+    return _prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap)

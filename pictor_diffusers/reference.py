@@ -20,16 +20,18 @@ def online_softmax_attention(
     value: torch.Tensor,
     scale: float,
     tile_keys: int = CPU_TILE_KEYS,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention by online softmax, in float32.
 
     Args:
-        query, key, value: head-major `[B, H, N, D]`, any float dtype.
+        query: head-major `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; any float dtype.
         scale: multiplies the logits `Q K^T`.
         tile_keys: keys per online-softmax step.
+        return_lse: also return each row's natural log-sum-exp of its scaled logits.
 
     Returns:
-        token-major `[B, N, H*D]` float32.
+        token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
     """
     batch, heads, seq, head_dim = query.shape
     q = query.float()
@@ -38,7 +40,7 @@ def online_softmax_attention(
     running_max = torch.full((batch, heads, seq, 1), float("-inf"), dtype=torch.float32, device=q.device)
     running_sum = torch.zeros((batch, heads, seq, 1), dtype=torch.float32, device=q.device)
     acc = torch.zeros((batch, heads, seq, head_dim), dtype=torch.float32, device=q.device)
-    for start in range(0, seq, tile_keys):
+    for start in range(0, k.shape[2], tile_keys):
         k_tile = k[:, :, start : start + tile_keys]
         v_tile = v[:, :, start : start + tile_keys]
         scores = torch.matmul(q, k_tile.transpose(-1, -2)) * scale
@@ -48,5 +50,8 @@ def online_softmax_attention(
         running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
         acc = acc * correction + torch.matmul(probs, v_tile)
         running_max = new_max
-    out = acc / running_sum
-    return out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+    out = (acc / running_sum).transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+    if not return_lse:
+        return out
+    lse = (running_max + torch.log(running_sum)).squeeze(-1).transpose(1, 2).contiguous()
+    return out, lse

@@ -44,6 +44,22 @@ def _fp16x3_smem(d: int) -> int:
     return 1024 + 2 * 128 * d * 2 + 2 * 4 * 64 * d * 2 + 8 * (1 + 4 * 2)
 
 
+SCALARS = {
+    "heads": "H",
+    "seq_q": "query rows the launch computes (its window)",
+    "seq_k": "keys it attends (its window)",
+    "q_pitch": "rows between q's planes (q's N)",
+    "kv_pitch": "rows between k's and v's planes (their N)",
+    "out_pitch": "token rows per batch of out and lse (q's N)",
+    "head_dim": "D",
+    "scale": "the logit scale",
+    "scale_log2": "the logit scale times log2(e)",
+}
+"""The scalar kernel arguments a row may list, in its `scalars`."""
+MAP_SCALARS = ("heads", "seq_q", "seq_k", "out_pitch", "scale_log2")
+"""The scalars of the TMA kernels: the maps carry the pitches."""
+
+
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
     """One attention kernel: what it takes, how it is built and launched.
@@ -66,10 +82,11 @@ class KernelSpec:
         flags: further NVRTC options. `-ftz=true` (denormal intermediates flush to zero) is what
             CuPy compiled these kernels with before the registry; it is kept, explicitly, so that
             the same source gives the same machine code (without it 3xTF32 ran 1.5-5% slower).
-        operands: "pointers" (q, k, v, out), "tensor_maps" (TMA maps of q, k, v; out pointer) or
-            "split_planes" (`SPLIT` first turns f32 q, k, v into scaled fp16 hi/lo planes; the kernel
-            takes TMA maps of the planes, the out pointer and the split's column maxima).
-        scalars: the trailing arguments, from ("heads", "seq", "head_dim", "scale", "scale_log2").
+        operands: "pointers" (q, k, v, out, lse), "tensor_maps" (TMA maps of q, k, v; out and lse
+            pointers) or "split_planes" (`SPLIT` first turns f32 q, k, v into scaled fp16 hi/lo
+            planes; the kernel takes TMA maps of the planes, out, lse and the split's column maxima).
+            Every pointer is the first row of the launch's window; lse may be null (0).
+        scalars: the trailing arguments, from `SCALARS`.
     """
 
     name: str
@@ -90,7 +107,7 @@ class KernelSpec:
     smem_define: bool = True
     flags: tuple[str, ...] = ("-ftz=true",)
     operands: str = "pointers"
-    scalars: tuple[str, ...] = ("heads", "seq", "scale_log2")
+    scalars: tuple[str, ...] = ("heads", "seq_q", "seq_k", "q_pitch", "kv_pitch", "out_pitch", "scale_log2")
     exact_capability: tuple[int, int] | None = None
     arch_suffix: str = ""
 
@@ -119,6 +136,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         kinds=("OUT_KIND",),
         flags=(),
         operands="split_planes",
+        scalars=MAP_SCALARS,
     ),
     KernelSpec(
         name="wgmma",
@@ -139,6 +157,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         kinds=("IN_KIND",),
         flags=(),
         operands="tensor_maps",
+        scalars=MAP_SCALARS,
     ),
     KernelSpec(
         name="mma16",
@@ -188,7 +207,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         geometry={"BQ": "8u", "BK": "32u", "THREADS": "128u"},
         head_define=("DMAX", "u"),
         smem_define=False,
-        scalars=("heads", "seq", "head_dim", "scale"),
+        scalars=("heads", "seq_q", "seq_k", "q_pitch", "kv_pitch", "out_pitch", "head_dim", "scale"),
     ),
 )
 """Every attention kernel, in the order "auto" tries them within a family."""
@@ -381,7 +400,7 @@ SPLIT = KernelSpec(
     geometry={"ROWS": "64", "THREADS": "256"},
     smem_define=False,
     flags=(),
-    scalars=("seq",),
+    scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch"),
 )
 """The fp16x3 kernel's prepass: f32 q, k, v -> scaled float16 hi/lo planes (two phases, one entry)."""
 

@@ -3,8 +3,8 @@
 A map is 128 opaque bytes encoded by the driver (`cuTensorMapEncodeTiled`,
 through ctypes) that the kernel takes by value (`__grid_constant__`). A map
 holds only an address, a shape and strides, so it stays valid for whatever
-tensor later lives at that address: maps are memoised by (address, shape,
-dtype, box rows) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
+tensor later lives at that address: maps are memoised by (address, planes,
+rows, pitch, head_dim, dtype, box rows) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 CACHE_SIZE = 256
 
-_maps: OrderedDict[tuple[int, tuple[int, ...], torch.dtype, int], tuple[ctypes.Array, int]] = OrderedDict()
+_maps: OrderedDict[tuple[int, int, int, int, int, torch.dtype, int], tuple[ctypes.Array, int]] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -45,25 +45,28 @@ def check_driver() -> None:
 
 
 def _encode(
-    pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype, box_rows: int
+    pointer: int, planes: int, rows: int, pitch: int, head_dim: int, dtype: torch.dtype, box_rows: int
 ) -> tuple[ctypes.Array, int]:
-    """Map of a contiguous 16-bit `[B, H, N, D]` tensor as rank 3 (D, N, B*H).
+    """Map of `planes` head-major 16-bit planes of `rows` x `head_dim`, `pitch` rows apart, as
+    rank 3 (head_dim, rows, planes).
 
-    128-byte swizzle; reads past N (or past the last head) are zero-filled by
+    128-byte swizzle; reads past `rows` (or past the last plane) are zero-filled by
     the copy engine. Returns (owning buffer, 64-byte-aligned map address).
     """
-    batch, heads, seq, head_dim = shape
     buffer = ctypes.create_string_buffer(128 + 64)
     address = (ctypes.addressof(buffer) + 63) & ~63
-    dims = (ctypes.c_uint64 * 3)(head_dim, seq, batch * heads)
-    strides = (ctypes.c_uint64 * 2)(head_dim * 2, seq * head_dim * 2)
+    dims = (ctypes.c_uint64 * 3)(head_dim, rows, planes)
+    strides = (ctypes.c_uint64 * 2)(head_dim * 2, pitch * head_dim * 2)
     box = (ctypes.c_uint32 * 3)(BOX_COLUMNS, box_rows, 1)
     unit = (ctypes.c_uint32 * 3)(1, 1, 1)
     status = _driver().cuTensorMapEncodeTiled(
         address, _DTYPES[dtype], 3, pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0
     )
     if status != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a {dtype} {shape} tensor")
+        raise RuntimeError(
+            f"cuTensorMapEncodeTiled failed with CUresult {status} for {planes} {dtype} planes of "
+            f"{rows} x {head_dim} ({pitch} rows apart) at {pointer:#x}"
+        )
     return buffer, address
 
 
@@ -74,14 +77,17 @@ def tensor_map(tensor: torch.Tensor, box_rows: int = BOX_ROWS) -> tuple[ctypes.A
     The caller keeps the buffer referenced until the launch has been issued
     (the launch copies the map's bytes).
     """
-    return map_at(tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, box_rows)
+    batch, heads, seq, head_dim = tensor.shape
+    return map_at(tensor.data_ptr(), batch * heads, seq, seq, head_dim, tensor.dtype, box_rows)
 
 
 def map_at(
-    pointer: int, shape: tuple[int, int, int, int], dtype: torch.dtype, box_rows: int = BOX_ROWS
+    pointer: int, planes: int, rows: int, pitch: int, head_dim: int, dtype: torch.dtype, box_rows: int = BOX_ROWS
 ) -> tuple[ctypes.Array, int]:
-    """`tensor_map` of the contiguous `[B, H, N, D]` tensor at device address `pointer` (no view needed)."""
-    key = (pointer, shape, dtype, box_rows)
+    """`tensor_map` of `rows` rows of each of `planes` head-major planes whose first row is at device
+    address `pointer` (16-byte aligned) and which lie `pitch` rows apart: a window of rows of a
+    `[B, H, pitch, D]` tensor, with no view needed."""
+    key = (pointer, planes, rows, pitch, head_dim, dtype, box_rows)
     entry = _maps.get(key)
     if entry is not None:
         return entry

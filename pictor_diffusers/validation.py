@@ -16,9 +16,9 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
     """Raise ValueError/TypeError unless q, k, v are valid head-major inputs.
 
     Valid means: three tensors on one CPU or CUDA device, one dtype out of
-    float32 / bfloat16 / float16, rank 4 `[B, H, N, D]` with identical shapes,
-    contiguous, B, H, N >= 1, 1 <= D <= 384, and B, H <= 65535 (the kernels'
-    grid limits).
+    float32 / bfloat16 / float16, rank 4, query `[B, H, Nq, D]` and key, value
+    `[B, H, Nk, D]` (same B, H and D; Nq and Nk may differ), contiguous,
+    B, H, Nq, Nk >= 1, 1 <= D <= 384, and B, H <= 65535 (the kernels' grid limits).
     """
     if _plainly_valid(query, key, value):
         return
@@ -37,16 +37,22 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
             raise TypeError(f"{name} has dtype {tensor.dtype} but query has {query.dtype}; they must match")
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be head-major [B, H, N, D], got shape {tuple(tensor.shape)}")
-        if tensor.shape != query.shape:
+        batch, heads, _, head_dim = query.shape
+        if (tensor.shape[0], tensor.shape[1], tensor.shape[3]) != (batch, heads, head_dim):
             raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)} but query has {tuple(query.shape)}; they must match"
+                f"{name} has shape {tuple(tensor.shape)} but query has {tuple(query.shape)}; "
+                "batch, heads and head_dim must match"
             )
+        if name == "value" and tensor.shape != key.shape:
+            raise ValueError(f"value has shape {tuple(tensor.shape)} but key has {tuple(key.shape)}; they must match")
         if not tensor.is_contiguous():
             raise ValueError(
                 f"{name} must be contiguous [B, H, N, D], got strides {tuple(tensor.stride())} "
                 f"for shape {tuple(tensor.shape)}"
             )
     _check_extents(*query.shape)
+    if key.shape[2] < 1:
+        raise ValueError(f"key and value need at least one token, got Nk={key.shape[2]}")
 
 
 def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -57,7 +63,10 @@ def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     dtype, shape = query.dtype, query.shape
     if dtype not in _DTYPE_NAMES or key.dtype != dtype or value.dtype != dtype or len(shape) != 4:
         return False
-    if key.shape != shape or value.shape != shape:
+    key_shape = key.shape
+    if len(key_shape) != 4 or value.shape != key_shape or key_shape[2] < 1:
+        return False
+    if key_shape[0] != shape[0] or key_shape[1] != shape[1] or key_shape[3] != shape[3]:
         return False
     if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
         return False

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pictor_diffusers import attention
 from pictor_diffusers.reference import CPU_TILE_KEYS, online_softmax_attention
+from pictor_diffusers.testing.references import attention_float64, lse_float64
 
 Shape = tuple[int, int, int, int]
 
@@ -208,3 +209,23 @@ def test_out_dtype_rounds_the_f32_result_once(shape: Shape, out_dtype: torch.dty
         out = attention(q, k, v, out_dtype=out_dtype, kernel=kernel)
         assert out.dtype == out_dtype and out.shape == f32.shape
         assert torch.equal(out, f32.to(out_dtype)), f"kernel={kernel!r}: not the f32 result rounded to {out_dtype}"
+
+
+UNEQUAL = [(1, 2, 7, 300, 64), (2, 3, 257, 77, 128), (1, 1, 1, 1000, 32), (2, 2, 1000, 1, 96)]
+
+
+@pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k", "head_dim"), UNEQUAL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unequal_lengths_and_lse_match_float64(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                                               dtype: torch.dtype) -> None:  # fmt: skip
+    """Nq != Nk (neither a multiple of the 256-key tile) and the LSE output, against float64."""
+    generator = torch.Generator().manual_seed(seq_q * 7 + seq_k)
+    query = torch.randn(batch, heads, seq_q, head_dim, generator=generator).to(dtype)
+    key, value = (torch.randn(batch, heads, seq_k, head_dim, generator=generator).to(dtype) for _ in range(2))
+    out, lse = attention(query, key, value, out_dtype=torch.float32 if dtype == torch.float32 else None,
+                         return_lse=True)  # fmt: skip
+    assert out.shape == (batch, seq_q, heads * head_dim) and lse.shape == (batch, seq_q, heads)
+    assert lse.dtype == torch.float32
+    expected = attention_float64(query, key, value)
+    assert (out.double() - expected).abs().max().item() <= (1e-5 if dtype == torch.float32 else 1e-2)
+    assert (lse.double() - lse_float64(query, key)).abs().max().item() <= 1e-5

@@ -18,7 +18,6 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux
 
 from pictor_diffusers import PictorAttn, attention
 from pictor_diffusers.runtime import import_cupy
-from pictor_diffusers.testing.models import build_transformer, transformer_inputs
 
 Shape = tuple[int, int, int, int]
 
@@ -88,12 +87,29 @@ def test_rank_three(shape: Shape, position: str) -> None:
         attention(*tensors)
 
 
+@pytest.mark.parametrize("axis", [0, 1, 3])
 @pytest.mark.parametrize("position", ["key", "value"])
 @pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
-def test_mismatched_shapes(shape: Shape, position: str) -> None:
-    other = (shape[0], shape[1], shape[2] + 1, shape[3])
-    with pytest.raises(ValueError, match=re.escape(f"{position} has shape {other} but query has {shape}")):
+def test_mismatched_batch_heads_or_head_dim(shape: Shape, position: str, axis: int) -> None:
+    other = tuple(n + 1 if i == axis else n for i, n in enumerate(shape))
+    message = f"{position} has shape {other} but query has {shape}; batch, heads and head_dim must match"
+    with pytest.raises(ValueError, match=re.escape(message)):
         attention(*with_bad(shape, position, torch.randn(other)))
+
+
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_value_tokens_must_match_key(shape: Shape) -> None:
+    other = (shape[0], shape[1], shape[2] + 1, shape[3])
+    with pytest.raises(ValueError, match=re.escape(f"value has shape {other} but key has {shape}; they must match")):
+        attention(*with_bad(shape, "value", torch.randn(other)))
+
+
+@pytest.mark.parametrize("shape", BASE_SHAPES, ids=SHAPE_IDS)
+def test_keys_of_another_length_are_accepted(shape: Shape) -> None:
+    batch, heads, seq, head_dim = shape
+    query = torch.randn(shape)
+    key, value = (torch.randn(batch, heads, seq + 5, head_dim) for _ in range(2))
+    assert attention(query, key, value).shape == (batch, seq, heads * head_dim)
 
 
 @pytest.mark.parametrize("position", ARGS)
@@ -231,18 +247,11 @@ def test_unknown_kwarg(key: str) -> None:
         PictorAttn()(double_module(), torch.randn(1, 7, 64), torch.randn(1, 5, 64), **{key: 1})
 
 
-@pytest.mark.parametrize("mode", ["extract", "cached"])
-def test_kv_cache_mode_not_implemented(mode: str) -> None:
-    with pytest.raises(NotImplementedError, match=rf"kv_cache_mode='{mode}'"):
-        PictorAttn()(single_module(), torch.randn(1, 7, 64), kv_cache_mode=mode)
-
-
-def test_kv_cache_extract_through_model() -> None:
-    model = build_transformer()
-    model.set_attn_processor(PictorAttn())
-    inputs = transformer_inputs(model, 1, (3, 5), 7)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"kv_cache_mode='extract'"):
-        model(**inputs, kv_cache_mode="extract", num_ref_tokens=5)
+@pytest.mark.parametrize("mode", ["replay", "EXTRACT"])
+def test_unknown_kv_cache_mode_is_refused(mode: str) -> None:
+    message = rf"kv_cache_mode must be one of \('extract', 'cached'\) or None, got '{mode}'"
+    with pytest.raises(ValueError, match=message):
+        PictorAttn()(single_module(), torch.randn(1, 7, 64), kv_cache_mode=mode, num_ref_tokens=2)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf")])

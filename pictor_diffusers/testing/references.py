@@ -18,7 +18,8 @@ def random_qkv(
 def attention_float64(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads_per_chunk: int = 8
 ) -> torch.Tensor:
-    """Exact-as-possible reference: float64 SDPA, token-major `[B, N, H*D]` float64.
+    """Exact-as-possible reference: float64 SDPA, token-major `[B, Nq, H*D]` float64 (q `[B, H, Nq, D]`,
+    k and v `[B, H, Nk, D]`).
 
     Runs over head chunks so the float64 score matrices stay a few GB.
     """
@@ -30,6 +31,17 @@ def attention_float64(
             F.scaled_dot_product_attention(query[:, part].double(), key[:, part].double(), value[:, part].double())
         )
     return torch.cat(chunks, dim=1).transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+
+def lse_float64(query: torch.Tensor, key: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Natural log-sum-exp of each row's scaled logits in float64, `[B, Nq, H]` (q `[B, H, Nq, D]`,
+    k `[B, H, Nk, D]`; scale defaults to D**-0.5), one head at a time."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    rows = [
+        torch.logsumexp(query[:, h].double() @ key[:, h].double().transpose(-1, -2) * scale, dim=-1)
+        for h in range(query.shape[1])
+    ]
+    return torch.stack(rows, dim=-1)
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:

@@ -1,0 +1,102 @@
+"""FLUX.2-klein's reference-image KV cache through PictorAttn, against diffusers' KV processors (CPU).
+
+A tiny random FLUX.2 transformer runs the two modes of `Flux2KleinKVPipeline`:
+"extract" (reference latents before the image latents, `num_ref_tokens` > 0)
+and then "cached" (image latents only, the cache from the extract step), once
+with diffusers' `Flux2KVAttnProcessor` / `Flux2KVParallelSelfAttnProcessor` and
+once with `PictorAttn`. Shapes are odd on purpose (7 text tokens, 3x5 image,
+2x3 reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2Attention,
+    Flux2KVAttnProcessor,
+    Flux2KVParallelSelfAttnProcessor,
+    Flux2ParallelSelfAttention,
+)
+
+from pictor_diffusers import PictorAttn
+from pictor_diffusers.testing.models import build_transformer, image_ids, transformer_inputs
+from pictor_diffusers.testing.references import rel_l2
+
+TEXT_LEN, IMAGE_HW, REF_HW = 7, (3, 5), (2, 3)
+REL_TOL = 1e-5
+
+
+def set_kv_processors(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Flux2ParallelSelfAttention):
+            module.set_processor(Flux2KVParallelSelfAttnProcessor())
+        elif isinstance(module, Flux2Attention):
+            module.set_processor(Flux2KVAttnProcessor())
+
+
+def kv_steps(model: torch.nn.Module, batch: int, cache: object = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(extract output, cached output, cache) of one extract and one cached step; `cache`, if
+    given, replaces the extract step's cache for the cached step."""
+    inputs = transformer_inputs(model, batch, IMAGE_HW, TEXT_LEN, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    ref_len = REF_HW[0] * REF_HW[1]
+    reference = torch.randn(batch, ref_len, model.config.in_channels, generator=generator)
+    ref_ids = image_ids(*REF_HW)
+    ref_ids[..., 0] = 10  # the reference image's time coordinate, as the KV pipeline sets it
+    extract = {
+        **inputs,
+        "hidden_states": torch.cat([reference, inputs["hidden_states"]], dim=1),
+        "img_ids": torch.cat([ref_ids, inputs["img_ids"]], dim=0),
+    }
+    with torch.no_grad():
+        extracted, made = model(**extract, kv_cache_mode="extract", num_ref_tokens=ref_len, ref_fixed_timestep=0.0)
+        cached = model(**inputs, kv_cache=cache or made, kv_cache_mode="cached")[0]
+    return extracted, cached, made
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_both_modes_match_diffusers_kv_processors(batch: int) -> None:
+    model = build_transformer(seed=0)
+    set_kv_processors(model)
+    stock_extract, stock_cached, _ = kv_steps(model, batch)
+    model.set_attn_processor(PictorAttn())
+    extract, cached, cache = kv_steps(model, batch)
+    assert extract.shape == stock_extract.shape and cached.shape == stock_cached.shape
+    assert rel_l2(extract, stock_extract) <= REL_TOL
+    assert rel_l2(cached, stock_cached) <= REL_TOL
+    k_ref, v_ref = cache.get_double(0).get()
+    heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
+    assert k_ref.shape == v_ref.shape == (batch, REF_HW[0] * REF_HW[1], heads, head_dim)
+
+
+def test_a_cache_written_by_diffusers_serves_pictor() -> None:
+    model = build_transformer(seed=0)
+    set_kv_processors(model)
+    _, stock_cached, stock_cache = kv_steps(model, 1)
+    model.set_attn_processor(PictorAttn())
+    _, cached, _ = kv_steps(model, 1, cache=stock_cache)
+    assert rel_l2(cached, stock_cached) <= REL_TOL
+
+
+def test_a_cache_of_another_shape_is_refused() -> None:
+    model = build_transformer(seed=0)
+    model.set_attn_processor(PictorAttn())
+    _, _, cache = kv_steps(model, 1)
+    layer = cache.get_double(0)
+    k_ref, v_ref = layer.get()
+    layer.store(k_ref[:, :, :1], v_ref[:, :, :1])
+    inputs = transformer_inputs(model, 1, IMAGE_HW, TEXT_LEN, seed=3)
+    with pytest.raises(ValueError, match=r"the KV cache holds reference keys of shape \(1, 6, 1, 32\)"):
+        model(**inputs, kv_cache=cache, kv_cache_mode="cached")
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    model = build_transformer(seed=0)
+    model.set_attn_processor(PictorAttn())
+    inputs = transformer_inputs(model, 1, IMAGE_HW, TEXT_LEN, seed=3)
+    block = model.transformer_blocks[0]
+    with pytest.raises(ValueError, match="kv_cache_mode must be one of"):
+        block.attn.processor(block.attn, torch.randn(1, 15, 128), encoder_hidden_states=torch.randn(1, 7, 128),
+                             kv_cache_mode="replay")  # fmt: skip
+    assert inputs
