@@ -19,28 +19,19 @@ from pathlib import Path
 
 import torch
 from bench_kernel import environment
-from diffusers.models.transformers.transformer_flux2 import (
-    Flux2Attention,
-    Flux2KVAttnProcessor,
-    Flux2KVParallelSelfAttnProcessor,
-    Flux2ParallelSelfAttention,
-)
 
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.testing.models import KLEIN_4B_CONFIG, build_transformer, image_ids, transformer_inputs
+from pictor_diffusers.testing.models import (
+    KLEIN_4B_CONFIG,
+    build_transformer,
+    image_ids,
+    set_kv_processors,
+    transformer_inputs,
+)
 from pictor_diffusers.testing.references import max_abs, rel_l2
 from pictor_diffusers.testing.timing import median_ms
 
 TEXT_LEN = 512
-
-
-def set_kv_processors(model: torch.nn.Module) -> None:
-    """diffusers' own KV processors, as `Flux2KleinKVPipeline` installs them."""
-    for module in model.modules():
-        if isinstance(module, Flux2ParallelSelfAttention):
-            module.set_processor(Flux2KVParallelSelfAttnProcessor())
-        elif isinstance(module, Flux2Attention):
-            module.set_processor(Flux2KVAttnProcessor())
 
 
 def step_inputs(model: torch.nn.Module, side: int) -> tuple[dict, dict, int]:

@@ -12,27 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.transformers.transformer_flux2 import (
-    Flux2Attention,
-    Flux2KVAttnProcessor,
-    Flux2KVParallelSelfAttnProcessor,
-    Flux2ParallelSelfAttention,
-)
 
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.testing.models import build_transformer, image_ids, transformer_inputs
+from pictor_diffusers.testing.models import build_transformer, image_ids, set_kv_processors, transformer_inputs
 from pictor_diffusers.testing.references import rel_l2
 
 TEXT_LEN, IMAGE_HW, REF_HW = 7, (3, 5), (2, 3)
 REL_TOL = 1e-5
-
-
-def set_kv_processors(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, Flux2ParallelSelfAttention):
-            module.set_processor(Flux2KVParallelSelfAttnProcessor())
-        elif isinstance(module, Flux2Attention):
-            module.set_processor(Flux2KVAttnProcessor())
 
 
 def kv_steps(model: torch.nn.Module, batch: int, cache: object = None) -> tuple[torch.Tensor, torch.Tensor, object]:

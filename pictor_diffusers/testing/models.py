@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2Attention,
+    Flux2AttnProcessor,
+    Flux2KVAttnProcessor,
+    Flux2KVParallelSelfAttnProcessor,
+    Flux2ParallelSelfAttention,
+    Flux2ParallelSelfAttnProcessor,
+)
 
 TINY_CONFIG = {
     "patch_size": 1,
@@ -93,6 +100,15 @@ def transformer_inputs(
     if config.guidance_embeds:
         inputs["guidance"] = torch.full((batch,), 3.5, device=param.device, dtype=param.dtype)
     return inputs
+
+
+def set_kv_processors(model: Flux2Transformer2DModel) -> None:
+    """diffusers' own reference-image KV processors, as `Flux2KleinKVPipeline` installs them."""
+    for module in model.modules():
+        if isinstance(module, Flux2ParallelSelfAttention):
+            module.set_processor(Flux2KVParallelSelfAttnProcessor())
+        elif isinstance(module, Flux2Attention):
+            module.set_processor(Flux2KVAttnProcessor())
 
 
 def set_stock_processors(model: Flux2Transformer2DModel) -> None:
