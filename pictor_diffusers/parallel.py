@@ -1,31 +1,36 @@
-"""Ulysses sequence parallelism for `PictorAttn`: the all-to-all exchange around the attention kernel.
+"""Context parallelism for `PictorAttn`: Ulysses, ring, and unified ring x Ulysses attention.
 
-`transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P))` makes diffusers split
-FLUX's text and image tokens, and their position ids (hence the RoPE tables), along the sequence across
-the P ranks of the Ulysses group, and records the config on every processor as `_parallel_config`. Each
-rank then runs pictor's fused prologue on its own tokens (head-major q, k, v `[B, H, n_r, D]`), and:
+`transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=U, ring_degree=R))` makes
+diffusers split FLUX's text and image tokens, and their position ids (hence the RoPE tables), along the
+sequence across the U x R ranks, and records the config on every processor as `_parallel_config`. Each
+rank runs pictor's fused prologue on its own tokens (head-major q, k, v `[B, H, n_r, D]`); then:
 
-1. an all-to-all over heads gives every rank H/P heads of the whole sequence, `[B, H/P, N, D]`, its
-   tokens in rank order (RoPE is already applied per token, and unmasked attention does not depend on
-   the order of the keys, so this order serves as well as the model's);
-2. the attention kernel runs on them: token-major `[B, N, (H/P)*D]`;
-3. the reverse all-to-all sends each rank its own tokens back with all heads, `[B, n_r, H*D]`,
-   heads in model order.
+* Ulysses (R = 1): an all-to-all over heads gives every rank H/U heads of the whole sequence,
+  `[B, H/U, N, D]`, its tokens in rank order (RoPE is already applied per token, and unmasked attention
+  does not depend on the order of the keys, so this order serves as well as the model's); the kernel
+  runs on them, token-major `[B, N, (H/U)*D]`; the reverse all-to-all sends each rank its own tokens
+  back with all heads, `[B, n_r, H*D]`, heads in model order.
+* Ring (U = 1): `ring.py`: this rank's queries meet every rank's keys as the shards travel round the
+  ring, partial results merged by their log-sum-exp.
+* Unified: the Ulysses exchange within each Ulysses group, ring attention across the ring group on the
+  gathered `[B, H/U, n_r*U, D]`, then the reverse exchange. A ring group joins ranks of one Ulysses
+  index, so it holds one head block of every token.
 
-Served: Ulysses (ring_degree=1), equal shards (diffusers' default sharder requires each split input to
-divide by P) or, with `ulysses_anything=True`, uneven ones (local lengths gathered once per call). The
-heads must divide by P. Refused: ring and unified ring x Ulysses attention, which merge partial results
-by their log-sum-exp, an output pictor's kernels do not have yet.
+Shards may be uneven where diffusers allows it (`ulysses_anything`, `ring_anything`); the heads must
+divide by U.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from .ring import AttendLse, Ring, gathered_lengths, ring_attention
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """Head-major q, k, v `[B, h, N, D]` -> token-major `[B, N, h*D]`."""
@@ -39,37 +44,48 @@ class Ulysses(NamedTuple):
     uneven: bool
 
 
-def ulysses_group(config: Any) -> Ulysses | None:
-    """The Ulysses group of a processor's `_parallel_config`; None without context parallelism.
+class ContextParallel(NamedTuple):
+    """The groups of a context-parallel config: Ulysses, ring, or both (unified)."""
 
-    Raises NotImplementedError, naming the degrees, for ring and unified ring x Ulysses configs, and
-    RuntimeError for a config that `enable_parallelism` has not set up.
+    ulysses: Ulysses | None
+    ring: Ring | None
+
+
+def _mesh_group(context: Any, name: str, degree: int) -> dist.ProcessGroup | None:
+    if degree <= 1:
+        return None
+    mesh = getattr(context, f"_{name}_mesh", None)
+    if mesh is None:
+        raise RuntimeError(
+            f"PictorAttn got a context-parallel config ({name}_degree={degree}) without a device mesh: "
+            "set it with transformer.enable_parallelism(config=...)"
+        )
+    return mesh.get_group()
+
+
+def context_parallel(config: Any) -> ContextParallel | None:
+    """The groups of a processor's `_parallel_config`; None without context parallelism.
+
+    Raises RuntimeError, naming the degree, for a config that `enable_parallelism` has not set up.
     """
     context = getattr(config, "context_parallel_config", None)
     if context is None:
         return None
-    ulysses, ring = context.ulysses_degree, context.ring_degree
-    if ring > 1:
-        raise NotImplementedError(
-            f"PictorAttn serves Ulysses context parallelism only (ContextParallelConfig(ulysses_degree=P), "
-            f"ring_degree=1); got ulysses_degree={ulysses}, ring_degree={ring}. Ring and unified ring x Ulysses "
-            "attention merge per-shard results by their log-sum-exp, which pictor's kernels do not return yet: "
-            "use ulysses_degree, or diffusers' own processors for ring attention."
-        )
-    mesh = getattr(context, "_ulysses_mesh", None)
-    if mesh is None:
-        raise RuntimeError(
-            f"PictorAttn got a context-parallel config (ulysses_degree={ulysses}) without a device mesh: "
-            "set it with transformer.enable_parallelism(config=...)"
-        )
-    return Ulysses(mesh.get_group(), ulysses, bool(getattr(context, "ulysses_anything", False)))
+    ulysses_degree, ring_degree = context.ulysses_degree, context.ring_degree
+    ulysses_group = _mesh_group(context, "ulysses", ulysses_degree)
+    ring_group = _mesh_group(context, "ring", ring_degree)
+    ulysses = None
+    if ulysses_group is not None:
+        ulysses = Ulysses(ulysses_group, ulysses_degree, bool(getattr(context, "ulysses_anything", False)))
+    ring = None if ring_group is None else Ring(ring_group, ring_degree, bool(getattr(context, "ring_anything", False)))
+    return ContextParallel(ulysses, ring)
 
 
 def check_local_rope(rope: tuple[torch.Tensor, torch.Tensor] | None, tokens: int) -> None:
     """Under context parallelism the RoPE tables must cover this rank's `tokens` tokens only."""
     if rope is not None and rope[0].shape[0] != tokens:
         raise ValueError(
-            f"PictorAttn under Ulysses: this rank holds {tokens} tokens but the RoPE tables have "
+            f"PictorAttn under context parallelism: this rank holds {tokens} tokens but the RoPE tables have "
             f"{rope[0].shape[0]} rows. diffusers' FLUX.2 cp plan splits img_ids/txt_ids only when they are "
             "3-D [B, N, 4], as the FLUX.2 pipelines pass them"
         )
@@ -88,11 +104,7 @@ def _local_lengths(tokens: int, ulysses: Ulysses, device: torch.device) -> list[
     """Every rank's local sequence length, in group-rank order (one small all-gather when shards may be uneven)."""
     if not ulysses.uneven:
         return [tokens] * ulysses.degree
-    backend = str(dist.get_backend(ulysses.group))
-    where = torch.device("cpu") if backend == "gloo" or "cpu:" in backend else device
-    lengths = torch.empty(ulysses.degree, dtype=torch.int64, device=where)
-    dist.all_gather_into_tensor(lengths, torch.tensor([tokens], dtype=torch.int64, device=where), group=ulysses.group)
-    return lengths.tolist()
+    return gathered_lengths(tokens, ulysses.group, ulysses.degree, device)
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -137,7 +149,7 @@ def ulysses_attention(
 
     Args:
         query, key, value: this rank's tokens, head-major `[B, H, n_r, D]`, contiguous, one dtype.
-        ulysses: the group (`ulysses_group`).
+        ulysses: the group (`context_parallel`).
         attend: the attention call on `[B, H/P, N, D]` inputs.
 
     Returns:
@@ -148,3 +160,19 @@ def ulysses_attention(
     lengths = _local_lengths(tokens, ulysses, query.device)
     gathered = [heads_to_sequence(t, lengths, ulysses.group) for t in (query, key, value)]
     return sequence_to_heads(attend(*gathered), lengths, tokens, ulysses.group)
+
+
+def context_parallel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: ContextParallel, attend: Attend,
+    attend_lse: AttendLse,
+) -> torch.Tensor:  # fmt: skip
+    """This rank's queries `[B, H, n_r, D]` against the keys of every rank: token-major `[B, n_r, H*D]`.
+
+    `attend` serves Ulysses, `attend_lse` (with log-sum-exp) ring and unified attention.
+    """
+    if groups.ring is None:
+        return ulysses_attention(query, key, value, groups.ulysses, attend)
+    ring = partial(ring_attention, ring=groups.ring, attend=attend_lse)
+    if groups.ulysses is None:
+        return ring(query, key, value)
+    return ulysses_attention(query, key, value, groups.ulysses, ring)

@@ -44,7 +44,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux
 from .flux1 import flux1_attention
 from .kv_cache import KvRequest, kv_attention, kv_gap, kv_request
 from .ops import attention
-from .parallel import check_local_rope, ulysses_attention, ulysses_group
+from .parallel import check_local_rope, context_parallel, context_parallel_attention
 from .projections import joint_segments
 from .prologue import Rope, Segment, pack_head_major
 from .registry import kernels_for
@@ -98,10 +98,10 @@ class PictorAttn:
     `FluxAttention`, and FLUX.2-klein's reference-image KV cache
     (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.kv_cache`);
     anything else, an attention mask, or an unknown keyword raises an error
-    that names it. Under diffusers' Ulysses context
-    parallelism (`enable_parallelism`, `ulysses_degree=P`) it attends over the
-    whole sequence through `pictor_diffusers.parallel`; ring and unified ring x
-    Ulysses configs raise NotImplementedError. CUDA tensors need CuPy (the
+    that names it. Under diffusers' context parallelism
+    (`enable_parallelism`: Ulysses, ring, or unified ring x Ulysses) it attends
+    over the whole sequence through `pictor_diffusers.parallel`; the KV-cache
+    modes under context parallelism raise NotImplementedError. CUDA tensors need CuPy (the
     `cuda12` / `cuda13` extras); CPU tensors run the pure-torch twins of the
     kernels. Inference only: the kernels have no backward.
     """
@@ -137,8 +137,8 @@ class PictorAttn:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if kwargs:
             raise TypeError(f"PictorAttn does not understand the attention kwargs {sorted(kwargs)}")
-        ulysses = ulysses_group(self._parallel_config)  # refuses ring / unified context parallelism up front
-        if kv_cache_mode is not None and ulysses is not None:
+        parallel = context_parallel(self._parallel_config)  # an unset config fails here, before any collective
+        if kv_cache_mode is not None and parallel is not None:
             raise NotImplementedError(
                 f"PictorAttn does not serve kv_cache_mode={kv_cache_mode!r} under context parallelism"
             )
@@ -170,23 +170,25 @@ class PictorAttn:
     ) -> torch.Tensor:
         """Prologue + attention: token-major `[B, N, H*D]` in the projections' dtype.
 
-        Under Ulysses context parallelism (`parallel.py`) the prologue runs on this rank's tokens, the
-        attention over the whole sequence, and N is this rank's token count. `kv`: a KV-cache mode
+        Under context parallelism (`parallel.py`: Ulysses, ring, unified) the prologue runs on this rank's
+        tokens, the attention over the whole sequence, and N is this rank's token count; ring partials are
+        written in the compute dtype (float32 on the parity path) and merged in float32. `kv`: a KV-cache mode
         (`kv_cache.py`).
         """
         dtype = segments[-1].query.dtype
         compute = self._compute_dtype(dtype)
-        ulysses = ulysses_group(self._parallel_config)
-        if ulysses is not None:
+        groups = context_parallel(self._parallel_config)
+        if groups is not None:
             check_local_rope(rope, sum(segment.query.shape[1] for segment in segments))
         query, key, value = pack_head_major(segments, head_dim, rope, compute, kv_gap(kv))
         out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
         if kv is not None:
             return kv_attention(kv, query, key, value, out_dtype, self.kernel).to(dtype)
-        if ulysses is None:
+        if groups is None:
             return attention(query, key, value, out_dtype=out_dtype, kernel=self.kernel).to(dtype)
         run = partial(attention, out_dtype=out_dtype, kernel=self.kernel)
-        return ulysses_attention(query, key, value, ulysses, run).to(dtype)
+        run_lse = partial(attention, out_dtype=compute, kernel=self.kernel, return_lse=True)
+        return context_parallel_attention(query, key, value, groups, run, run_lse).to(dtype)
 
     def _double_stream(
         self,
