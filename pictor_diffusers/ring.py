@@ -55,7 +55,7 @@ def _rotate(buffer: torch.Tensor, incoming: int, ring: Ring) -> torch.Tensor:
     return funcol.all_to_all_single(buffer, receive, send, ring.group)
 
 
-def _merge(
+def merge_partial(
     out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor, part_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one partial result into the running (out `[B, n, h, D]` f32, lse `[B, n, h]` f32)."""
@@ -96,7 +96,7 @@ def ring_attention(
         shard_key, shard_value = (key, value) if step == 0 else buffer.view(2, batch, heads, -1, dim).unbind(0)
         part, part_lse = attend(query, shard_key, shard_value)
         out_dtype = part.dtype
-        out, lse = _merge(out, lse, part, part_lse)
+        out, lse = merge_partial(out, lse, part, part_lse)
         if incoming is not None:
             buffer = incoming.wait() if isinstance(incoming, funcol.AsyncCollectiveTensor) else incoming
     return out.view(batch, -1, heads * dim).to(out_dtype)
