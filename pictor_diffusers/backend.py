@@ -31,40 +31,26 @@ diffusers reads the variable into its enum at import, before pictor's names
 exist, so for that one import pictor lets it read "native" and then makes the
 requested pictor backend active. Other values are left alone.
 
-The dispatcher hands q, k, v token-major `[B, N, H, D]`; they are copied once
-to head-major contiguous `[B, H, N, D]` in the compute dtype (the kernels read
-that layout), and the kernel's token-major `[B, N, H*D]` output is returned as
-a `[B, N, H, D]` view, without a copy. Served: non-causal attention without
-mask or dropout, Nq == Nk, equal q/k/v heads and head_dim (1..384), float32 /
-bfloat16 / float16 on CPU or CUDA, inference (no autograd recording). Any
-other call (a mask, is_causal, dropout_p > 0, Nq != Nk as in cross-attention,
-grouped-query heads, a parallel config, another dtype or head_dim, gradients)
-runs diffusers' native backend, with one warning per reason naming it; masks
-are never dropped. `return_lse=True` raises: neither pictor nor the native
-backend returns the log-sum-exp.
-
-Context parallelism: registered with `supports_context_parallel=False`, so
-diffusers refuses `enable_parallelism` with these backends. Ring attention
-merges per-shard results by their log-sum-exp, which pictor's kernels do not
-output yet.
+What a backend call serves, and what falls back to diffusers' native backend
+with a warning, is in `pictor_diffusers.backend_call`: Nq != Nk, the
+log-sum-exp (`return_lse=True`) and context parallelism are served; masks,
+causal attention and dropout fall back. Context parallelism: the backends are
+registered with `supports_context_parallel=True` where diffusers has its
+context-parallel template (`_templated_context_parallel_attention`), which
+then runs Ulysses, ring and unified attention around pictor's kernel.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import sys
-import warnings
-from collections.abc import Callable
 from enum import Enum
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from .ops import attention
-from .registry import MAX_HEAD_DIM
-from .validation import OUT_DTYPE_CHOICES, check_scale
+from .backend_call import context_parallel_template, make_backend, parameters, warn_once
 
 BACKENDS: dict[str, torch.dtype] = {
     "pictor": torch.float32,
@@ -74,151 +60,7 @@ BACKENDS: dict[str, torch.dtype] = {
 """Backend name -> the dtype q, k, v are computed in (`PictorAttn` precision "fp32", "bf16", "fp16")."""
 
 DISPATCH_MODULE = "diffusers.models.attention_dispatch"
-_MAX_GRID = 65535
-_WARNED: set[str] = set()
 _NATIVE_ARGS = {"query", "key", "value", "attn_mask"}
-
-
-def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
-    """One RuntimeWarning per `key` per process (stacklevel 3: the caller's caller)."""
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
-
-
-def _unsupported(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    parallel_config: Any,
-) -> tuple[str, str] | None:
-    """(reason key, what it is) when pictor's kernels cannot serve the call, else None."""
-    if attn_mask is not None:
-        return "attn_mask", f"attention masks (attn_mask of shape {tuple(attn_mask.shape)})"
-    if is_causal:
-        return "is_causal", "causal attention (is_causal=True)"
-    if dropout_p:
-        return "dropout_p", f"attention dropout (dropout_p={dropout_p})"
-    if parallel_config is not None:
-        return "parallel_config", "context parallelism (a _parallel_config)"
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape != value.shape:
-        return "layout", f"q/k/v shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-    if key.shape[1] != query.shape[1]:
-        return "kv_length", f"keys of another length than the queries (Nq={query.shape[1]} != Nk={key.shape[1]})"
-    if key.shape != query.shape:
-        return "heads", f"grouped-query or mismatched heads/head_dim (q {tuple(query.shape)}, k {tuple(key.shape)})"
-    if query.dtype not in OUT_DTYPE_CHOICES or key.dtype != query.dtype or value.dtype != query.dtype:
-        return "dtype", f"dtypes {query.dtype}, {key.dtype}, {value.dtype} (pictor takes one of f32/bf16/f16)"
-    if query.device.type not in ("cpu", "cuda") or key.device != query.device or value.device != query.device:
-        return "device", f"devices {query.device}, {key.device}, {value.device}"
-    batch, seq, heads, head_dim = query.shape
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        return "head_dim", f"head_dim={head_dim} (pictor takes 1..{MAX_HEAD_DIM})"
-    if seq < 1 or not 1 <= batch <= _MAX_GRID or not 1 <= heads <= _MAX_GRID:
-        return "extent", f"B={batch}, N={seq}, H={heads} (pictor takes N >= 1 and B, H in 1..{_MAX_GRID})"
-    if scale is not None:
-        try:
-            check_scale(float(scale))
-        except ValueError:
-            return "scale", f"scale={scale}"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return "autograd", "gradients (autograd records this call; pictor's kernels are inference-only)"
-    return None
-
-
-def _profiling() -> bool:
-    enabled = getattr(torch.autograd, "_profiler_enabled", None)
-    return enabled is not None and not torch.compiler.is_compiling() and enabled()
-
-
-def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[B, N, H, D]` -> contiguous `[B, H, N, D]` in `dtype`, in one copy (none if already laid out so)."""
-    tensor = tensor.transpose(1, 2)
-    if tensor.dtype == dtype:
-        return tensor.contiguous()
-    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format)
-
-
-def _serve(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype
-) -> torch.Tensor:
-    """`[B, N, H, D]` q, k, v -> pictor attention -> `[B, N, H, D]` in the inputs' dtype.
-
-    One copy in per tensor (head-major contiguous in `compute`), none out: the
-    kernel writes token-major `[B, N, H*D]`, returned as a view.
-    """
-    batch, seq, heads, head_dim = query.shape
-    dtype = query.dtype
-    q, k, v = (_head_major(t, compute) for t in (query, key, value))
-    out_dtype = dtype if compute == torch.float32 else compute
-    out = attention(q, k, v, scale, out_dtype=out_dtype, kernel="auto")
-    return out.to(dtype).view(batch, seq, heads, head_dim)
-
-
-def _make_backend(name: str, compute: torch.dtype, registry: Any, native_member: Enum) -> Callable[..., torch.Tensor]:
-    """The backend function for `name`, with the parameter names diffusers' dispatcher passes."""
-
-    def backend(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        return_lse: bool = False,
-        _parallel_config: Any = None,
-    ) -> torch.Tensor:
-        if return_lse:
-            raise NotImplementedError(
-                f"the {name!r} attention backend does not return the log-sum-exp (return_lse=True); "
-                "neither does diffusers' native backend, which pictor falls back to"
-            )
-        problem = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, _parallel_config)
-        if problem is None:
-            if _profiling():
-                with torch.profiler.record_function("pictor::attention"):
-                    return _serve(query, key, value, scale, compute)
-            return _serve(query, key, value, scale, compute)
-        reason, detail = problem
-        _warn_once(
-            reason,
-            f"pictor-diffusers: the {name!r} attention backend does not serve {detail}; such calls run "
-            "diffusers' native attention instead (warned once per reason)",
-            stacklevel=4,  # the model's processor, which called dispatch_attention_fn
-        )
-        native = registry._backends[native_member]
-        given = {
-            "query": query,
-            "key": key,
-            "value": value,
-            "attn_mask": attn_mask,
-            "dropout_p": dropout_p,
-            "is_causal": is_causal,
-            "scale": scale,
-            "enable_gqa": enable_gqa,
-            "_parallel_config": _parallel_config,
-        }
-        accepted = registry._supported_arg_names.get(native_member) or _parameters(native)
-        return native(**{arg: given[arg] for arg in given if arg in accepted})
-
-    backend.__name__ = backend.__qualname__ = f"_{name}_attention"
-    backend._pictor_backend = name
-    return backend
-
-
-def _parameters(fn: Any) -> set[str]:
-    """Parameter names of `fn`; empty when it has no inspectable signature."""
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def import_dispatcher() -> ModuleType:
@@ -253,10 +95,10 @@ def _layout_problem(dispatch: ModuleType) -> str | None:
     missing = [attr for attr in tables if not isinstance(getattr(registry, attr, None), dict)]
     if missing:
         return f"_AttentionBackendRegistry lacks the tables {missing}"
-    if "constraints" not in _parameters(getattr(registry, "register", None)):
+    if "constraints" not in parameters(getattr(registry, "register", None)):
         return "_AttentionBackendRegistry.register(backend, constraints, ...) is missing or has another signature"
     native = registry._backends.get(names("native"))
-    if not callable(native) or not _NATIVE_ARGS <= _parameters(native):
+    if not callable(native) or not _NATIVE_ARGS <= parameters(native):
         return "no native backend taking (query, key, value, attn_mask)"
     return None
 
@@ -324,7 +166,7 @@ def register_backends(dispatch: ModuleType | None = None) -> tuple[str, ...]:
     if added is None:
         version = getattr(sys.modules.get("diffusers"), "__version__", "?")
         problem = problem or "this Python's Enum does not take added members"
-        _warn_once(
+        warn_once(
             "registry",
             f"pictor-diffusers: diffusers {version}'s attention dispatcher has an unknown layout ({problem}); "
             "the pictor attention backends are not registered. PictorAttn is unaffected.",
@@ -332,20 +174,21 @@ def register_backends(dispatch: ModuleType | None = None) -> tuple[str, ...]:
         return ()
     names, registry = dispatch.AttentionBackendName, dispatch._AttentionBackendRegistry
     native = names("native")
-    takes_cp_flag = "supports_context_parallel" in _parameters(registry.register)
+    takes_cp_flag = "supports_context_parallel" in parameters(registry.register)
+    template = context_parallel_template(dispatch)
     registered = []
     for member, (name, compute) in zip(added, BACKENDS.items(), strict=True):
         current = registry._backends.get(member)
         if current is not None and getattr(current, "_pictor_backend", None) != name:
-            _warn_once(f"taken:{name}", f"pictor-diffusers: diffusers already has a backend named {name!r}; kept")
+            warn_once(f"taken:{name}", f"pictor-diffusers: diffusers already has a backend named {name!r}; kept")
             continue
         registered.append(name)
         if current is not None:
             continue
         options = {"constraints": list(registry._constraints.get(native, []))}
         if takes_cp_flag:
-            options["supports_context_parallel"] = False
-        registry.register(member, **options)(_make_backend(name, compute, registry, native))
+            options["supports_context_parallel"] = template is not None
+        registry.register(member, **options)(make_backend(name, compute, registry, native, template))
     _activate_requested(names, registry)
     return tuple(registered)
 

@@ -1,14 +1,15 @@
 """pictor as a diffusers attention backend ("pictor", "pictor_bf16", "pictor_fp16"), on CPU.
 
-* registration: enum members, registry rows, no context parallelism, idempotent;
+* registration: enum members, registry rows, context parallelism declared, idempotent;
   feature detection of diffusers' private layout (unknown layouts warn, change
   nothing); DIFFUSERS_ATTN_BACKEND naming a pictor backend.
 * direct calls through `dispatch_attention_fn`: float32 within 1e-5 of native;
-  16-bit inputs as accurate as native SDPA; the op runs once per served call.
+  16-bit inputs as accurate as native SDPA; the op runs once per served call;
+  Nq != Nk and the log-sum-exp against float64.
 * fallbacks: each unsupported feature runs native (bitwise the same output),
-  warns once naming it, and never runs pictor.
+  warns once naming it, and never runs pictor; with return_lse=True it raises.
 * whole models: tiny FLUX.1 (served), Qwen-Image with a padding mask (falls
-  back), Wan (self-attention served, text cross-attention Nq != Nk falls back),
+  back), Wan (self-attention and text cross-attention, Nq != Nk, served),
   via `set_attention_backend` and the `attention_backend` context manager.
 """
 
@@ -32,7 +33,7 @@ from diffusers.models import attention_dispatch as dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend, dispatch_attention_fn
 from test_flux1 import attention_modules, build_flux1, count_pictor_calls, flux1_inputs, rel_l2
 
-import pictor_diffusers.backend as backend_module
+import pictor_diffusers.backend_call as backend_call
 from pictor_diffusers import register_backends
 from pictor_diffusers.backend import BACKENDS
 
@@ -45,7 +46,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture(autouse=True)
 def fresh_state() -> Iterator[None]:
     """Forget the one-time warnings; restore diffusers' global active backend afterwards."""
-    backend_module._WARNED.clear()
+    backend_call._WARNED.clear()
     active = Registry._active_backend
     yield
     Registry._active_backend = active
@@ -72,7 +73,7 @@ def test_registered_backends() -> None:
         assert member.value == name and AttentionBackendName[name.upper()] is member and member in AttentionBackendName
         assert Registry._backends[member]._pictor_backend == name
         assert Registry._supported_arg_names[member] == Registry._supported_arg_names[AttentionBackendName.NATIVE]
-        assert not Registry._is_context_parallel_available(member)
+        assert Registry._is_context_parallel_available(member)
     size, functions = len(AttentionBackendName), [Registry._backends[AttentionBackendName(n)] for n in NAMES]
     assert register_backends() == tuple(NAMES)
     assert len(AttentionBackendName) == size
@@ -101,6 +102,21 @@ def test_parity_direct(shape: tuple[int, ...], dtype: torch.dtype, monkeypatch: 
             assert error <= bound, f"{name} on {dtype}: {error:.3e} > {bound:.3e}"
 
 
+@pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(1, 70, 12), (2, 9, 131), (1, 1, 1)])
+def test_unequal_lengths_and_lse(batch: int, seq_q: int, seq_k: int) -> None:
+    query = qkv((batch, seq_q, 3, 32), seed=1)[0]
+    key, value = qkv((batch, seq_k, 3, 32), seed=2)[:2]
+    for name in NAMES:
+        out, lse = Registry._backends[AttentionBackendName(name)](query, key, value, return_lse=True)
+        assert out.shape == query.shape and lse.shape == (batch, seq_q, 3) and lse.dtype == torch.float32
+        exact_lse = torch.logsumexp(
+            torch.einsum("bqhd,bkhd->bhqk", query.double(), key.double()) * 32**-0.5, dim=-1
+        ).transpose(1, 2)
+        rounding = 1e-5 if BACKENDS[name] == torch.float32 else 1e-2
+        assert rel_l2(out, sdpa64(query, key, value)) <= rounding, name
+        assert (lse.double() - exact_lse).abs().max().item() <= rounding, name
+
+
 def fallback_case(reason: str) -> dict:
     """Keyword arguments for `dispatch_attention_fn` that pictor must not serve, by reason."""
     query, key, value = qkv((2, 20, 4, 16))
@@ -113,8 +129,6 @@ def fallback_case(reason: str) -> dict:
         call["is_causal"] = True
     elif reason == "dropout_p":
         call["dropout_p"] = 0.5
-    elif reason == "kv_length":
-        call["key"], call["value"] = key[:, :7], value[:, :7]
     elif reason == "heads":
         call["key"], call["value"], call["enable_gqa"] = key[:, :, :2], value[:, :, :2], True
     elif reason == "head_dim":
@@ -128,7 +142,7 @@ def fallback_case(reason: str) -> dict:
     return call
 
 
-FALLBACK_REASONS = "attn_mask is_causal dropout_p kv_length heads head_dim dtype scale autograd".split()
+FALLBACK_REASONS = "attn_mask is_causal dropout_p heads head_dim dtype scale autograd".split()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -154,22 +168,11 @@ def test_fallback_matches_native_and_warns_once(reason: str, name: str, monkeypa
         assert call["query"].grad is not None and torch.isfinite(call["query"].grad).all()
 
 
-def test_fallback_parallel_config_and_lse(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = {}
-
-    def spy_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        seen.update(kwargs)
-        return query
-
-    monkeypatch.setitem(Registry._backends, AttentionBackendName.NATIVE, spy_native)
+def test_fallback_with_lse_raises_naming_the_reason() -> None:
     query, key, value = qkv((1, 8, 2, 16))
-    config = object()
     pictor = Registry._backends[AttentionBackendName.PICTOR]
-    with pytest.warns(RuntimeWarning, match="context parallelism"):
-        assert pictor(query, key, value, _parallel_config=config) is query
-    assert seen["_parallel_config"] is config
-    with pytest.raises(NotImplementedError, match="return_lse"):
-        pictor(query, key, value, return_lse=True)
+    with pytest.raises(NotImplementedError, match=r"causal attention.*does not return the log-sum-exp"):
+        pictor(query, key, value, is_causal=True, return_lse=True)
 
 
 def compare_backend(model: torch.nn.Module, inputs: dict, name: str, monkeypatch, use_context: bool):
@@ -276,7 +279,7 @@ WAN_CONFIG = {
 
 
 @pytest.mark.parametrize("use_context", [False, True], ids=["set_attention_backend", "attention_backend"])
-def test_wan_cross_attention_falls_back(use_context: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wan_self_and_cross_attention_served(use_context: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = WanTransformer3DModel(**WAN_CONFIG).eval()
     generator = torch.Generator().manual_seed(1)
@@ -287,8 +290,8 @@ def test_wan_cross_attention_falls_back(use_context: bool, monkeypatch: pytest.M
         "return_dict": False,
     }
     native, out, calls, messages = compare_backend(model, inputs, "pictor", monkeypatch, use_context)
-    assert calls == WAN_CONFIG["num_layers"], "pictor must serve every self-attention"
-    assert len(messages) == 1 and "Nq=70 != Nk=12" in messages[0]
+    assert calls == 2 * WAN_CONFIG["num_layers"], "pictor must serve every self- and cross-attention (Nq=70, Nk=12)"
+    assert not messages
     assert rel_l2(out, native) <= 1e-5
 
 
@@ -313,7 +316,7 @@ def fake_registry(names: type[enum.Enum], takes_cp_flag: bool = True, native: bo
 
     def add(backend: enum.Enum, constraints: list | None, func: object) -> object:
         registry._backends[backend], registry._constraints[backend] = func, constraints or []
-        registry._supported_arg_names[backend] = backend_module._parameters(func)
+        registry._supported_arg_names[backend] = backend_call.parameters(func)
         return func
 
     def register(backend: enum.Enum, constraints: list | None = None, supports_context_parallel: bool = False):

@@ -1,0 +1,214 @@
+"""The function diffusers' attention dispatcher calls for a pictor backend ("pictor", "pictor_bf16", ...).
+
+The dispatcher hands q `[B, Nq, H, D]`, k and v `[B, Nk, H, D]`, token-major. Served calls copy each once
+to head-major contiguous `[B, H, N, D]` in the compute dtype (the kernels read that layout) and return the
+kernel's token-major `[B, Nq, H*D]` output as a `[B, Nq, H, D]` view, without a copy; with
+`return_lse=True` also the log-sum-exp, `[B, Nq, H]` float32 (natural log).
+
+Served: non-causal attention without mask or dropout, any Nq and Nk (Wan's text cross-attention), equal
+q/k/v heads and head_dim (1..384), float32 / bfloat16 / float16 on CPU or CUDA, inference (no autograd
+recording), and context parallelism (`_parallel_config`): diffusers' own Ulysses / ring / unified
+templates run around pictor's kernel, the ring merging by pictor's log-sum-exp. Any other call (a mask,
+is_causal, dropout_p > 0, grouped-query heads, another dtype or head_dim, gradients) runs diffusers'
+native backend, with one warning per reason naming it; masks are never dropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from enum import Enum
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .ops import attention
+from .registry import MAX_HEAD_DIM
+from .validation import OUT_DTYPE_CHOICES, check_scale
+
+_MAX_GRID = 65535
+_WARNED: set[str] = set()
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """One RuntimeWarning per `key` per process (stacklevel 3: the caller's caller)."""
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _unsupported(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[str, str] | None:
+    """(reason key, what it is) when pictor's kernels cannot serve the call, else None."""
+    if attn_mask is not None:
+        return "attn_mask", f"attention masks (attn_mask of shape {tuple(attn_mask.shape)})"
+    if is_causal:
+        return "is_causal", "causal attention (is_causal=True)"
+    if dropout_p:
+        return "dropout_p", f"attention dropout (dropout_p={dropout_p})"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or key.shape != value.shape:
+        return "layout", f"q/k/v shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+    if key.shape[0] != query.shape[0] or key.shape[2:] != query.shape[2:]:
+        return "heads", f"grouped-query or mismatched heads/head_dim (q {tuple(query.shape)}, k {tuple(key.shape)})"
+    if query.dtype not in OUT_DTYPE_CHOICES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return "dtype", f"dtypes {query.dtype}, {key.dtype}, {value.dtype} (pictor takes one of f32/bf16/f16)"
+    if query.device.type not in ("cpu", "cuda") or key.device != query.device or value.device != query.device:
+        return "device", f"devices {query.device}, {key.device}, {value.device}"
+    batch, seq, heads, head_dim = query.shape
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return "head_dim", f"head_dim={head_dim} (pictor takes 1..{MAX_HEAD_DIM})"
+    if min(seq, key.shape[1]) < 1 or not 1 <= batch <= _MAX_GRID or not 1 <= heads <= _MAX_GRID:
+        extent = f"B={batch}, Nq={seq}, Nk={key.shape[1]}, H={heads}"
+        return "extent", f"{extent} (pictor takes Nq, Nk >= 1 and B, H in 1..{_MAX_GRID})"
+    if scale is not None:
+        try:
+            check_scale(float(scale))
+        except ValueError:
+            return "scale", f"scale={scale}"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return "autograd", "gradients (autograd records this call; pictor's kernels are inference-only)"
+    return None
+
+
+def _profiling() -> bool:
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    return enabled is not None and not torch.compiler.is_compiling() and enabled()
+
+
+def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, N, H, D]` -> contiguous `[B, H, N, D]` in `dtype`, in one copy (none if already laid out so)."""
+    tensor = tensor.transpose(1, 2)
+    if tensor.dtype == dtype:
+        return tensor.contiguous()
+    return tensor.to(dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def _serve(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
+    return_lse: bool,
+) -> Output:  # fmt: skip
+    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` -> pictor attention -> `[B, Nq, H, D]` in the inputs' dtype
+    (and the LSE `[B, Nq, H]` float32 when asked).
+
+    One copy in per tensor (head-major contiguous in `compute`), none out: the kernel writes token-major
+    `[B, Nq, H*D]`, returned as a view.
+    """
+    batch, seq, heads, head_dim = query.shape
+    dtype = query.dtype
+    q, k, v = (_head_major(t, compute) for t in (query, key, value))
+    out_dtype = dtype if compute == torch.float32 else compute
+    result = attention(q, k, v, scale, out_dtype=out_dtype, kernel="auto", return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    out = out.to(dtype).view(batch, seq, heads, head_dim)
+    return (out, lse) if return_lse else out
+
+
+def _forward_op(compute: torch.dtype) -> Callable[..., Output]:
+    """pictor as the forward op of diffusers' context-parallel templates (Ulysses, ring, unified)."""
+
+    def forward_op(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+        dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool,
+        _save_ctx: bool = True, _parallel_config: Any = None,
+    ) -> Output:  # fmt: skip
+        return _serve(query, key, value, scale, compute, return_lse)
+
+    return forward_op
+
+
+def _no_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any) -> None:
+    raise NotImplementedError("pictor-diffusers kernels are inference-only: attention has no backward")
+
+
+def context_parallel_template(dispatch: ModuleType) -> Callable[..., Output] | None:
+    """diffusers' `_templated_context_parallel_attention`, if this version has it with the keywords pictor
+    passes; None otherwise (then the backends are registered without context parallelism)."""
+    template = getattr(dispatch, "_templated_context_parallel_attention", None)
+    return template if {"forward_op", "backward_op", "_parallel_config"} <= parameters(template) else None
+
+
+def make_backend(
+    name: str, compute: torch.dtype, registry: Any, native_member: Enum, template: Callable[..., Output] | None
+) -> Callable[..., Output]:
+    """The backend function for `name`, with the parameter names diffusers' dispatcher passes.
+
+    `template`: diffusers' context-parallel template (`context_parallel_template`), or None.
+    """
+    forward_op = _forward_op(compute)
+
+    def backend(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_lse: bool = False,
+        _parallel_config: Any = None,
+    ) -> Output:
+        problem = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if problem is None and _parallel_config is not None and template is None:
+            problem = ("parallel_config", "context parallelism (this diffusers has no context-parallel template)")
+        if problem is None:
+            if _parallel_config is not None:
+                call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+                return template(
+                    *call, forward_op=forward_op, backward_op=_no_backward_op, _parallel_config=_parallel_config
+                )
+            if _profiling():
+                with torch.profiler.record_function("pictor::attention"):
+                    return _serve(query, key, value, scale, compute, return_lse)
+            return _serve(query, key, value, scale, compute, return_lse)
+        reason, detail = problem
+        if return_lse:
+            raise NotImplementedError(
+                f"the {name!r} attention backend does not serve {detail}, and diffusers' native backend, "
+                "which it falls back to, does not return the log-sum-exp (return_lse=True)"
+            )
+        warn_once(
+            reason,
+            f"pictor-diffusers: the {name!r} attention backend does not serve {detail}; such calls run "
+            "diffusers' native attention instead (warned once per reason)",
+            stacklevel=4,  # the model's processor, which called dispatch_attention_fn
+        )
+        given = {
+            "query": query,
+            "key": key,
+            "value": value,
+            "attn_mask": attn_mask,
+            "dropout_p": dropout_p,
+            "is_causal": is_causal,
+            "scale": scale,
+            "enable_gqa": enable_gqa,
+            "_parallel_config": _parallel_config,
+        }
+        native = registry._backends[native_member]
+        accepted = registry._supported_arg_names.get(native_member) or parameters(native)
+        return native(**{arg: given[arg] for arg in given if arg in accepted})
+
+    backend.__name__ = backend.__qualname__ = f"_{name}_attention"
+    backend._pictor_backend = name
+    return backend
+
+
+def parameters(fn: Any) -> set[str]:
+    """Parameter names of `fn`; empty when it is not callable or has no inspectable signature."""
+    if not callable(fn):
+        return set()
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
