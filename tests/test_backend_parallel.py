@@ -21,22 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pictor_diffusers  # noqa: F401  (registers the backends)
-from pictor_diffusers.testing.models import build_flux1_transformer, flux1_transformer_inputs
+from pictor_diffusers.testing.models import TINY_FLUX1_CONFIG, build_flux1_transformer, flux1_transformer_inputs
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-CONFIG = {
-    "patch_size": 1,
-    "in_channels": 8,
-    "num_layers": 1,
-    "num_single_layers": 2,
-    "attention_head_dim": 32,
-    "num_attention_heads": 4,
-    "joint_attention_dim": 24,
-    "pooled_projection_dim": 16,
-    "guidance_embeds": True,
-    "axes_dims_rope": (8, 8, 16),
-}
+CONFIG = {**TINY_FLUX1_CONFIG, "num_layers": 1}
 MODES = {2: [("ulysses2", 2, 1), ("ring2", 1, 2)], 4: [("unified2x2", 2, 2)]}
 SHAPES = {2: ((3, 6), 10), 4: ((7, 4), 12)}  # world -> (latent (h, w), text tokens): odd per-rank counts
 BACKENDS = {"pictor": (torch.float32, 1e-5), "pictor_bf16": (torch.bfloat16, 2.0**-7)}

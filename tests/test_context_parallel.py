@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing.models import (
     TINY_CONFIG,
+    TINY_FLUX1_CONFIG,
     build_flux1_transformer,
     build_transformer,
     flux1_transformer_inputs,
@@ -44,18 +45,6 @@ from pictor_diffusers.testing.models import (
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-TINY_FLUX1 = {
-    "patch_size": 1,
-    "in_channels": 8,
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 32,
-    "num_attention_heads": 4,
-    "joint_attention_dim": 24,
-    "pooled_projection_dim": 16,
-    "guidance_embeds": True,
-    "axes_dims_rope": (8, 8, 16),
-}
 SHAPES = {2: ((3, 6), 10), 4: ((7, 4), 12)}
 """World size -> (latent (height, width), text tokens)."""
 
@@ -106,7 +95,7 @@ BF16_FLOOR = 2.0**-8
 def build(case: Case) -> torch.nn.Module:
     """The seeded model of `case`, its processors set."""
     if case.model == "flux1":
-        model = build_flux1_transformer({**TINY_FLUX1, "num_attention_heads": case.heads})
+        model = build_flux1_transformer({**TINY_FLUX1_CONFIG, "num_attention_heads": case.heads})
     else:
         model = build_transformer({**TINY_CONFIG, "num_attention_heads": case.heads})
     if case.fused:

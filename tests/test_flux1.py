@@ -25,19 +25,9 @@ from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAt
 import pictor_diffusers.ops as ops_module
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.prologue import apply_rope
+from pictor_diffusers.testing.models import TINY_FLUX1_CONFIG
 
-TINY_FLUX1 = {
-    "patch_size": 1,
-    "in_channels": 8,
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 32,
-    "num_attention_heads": 3,
-    "joint_attention_dim": 24,
-    "pooled_projection_dim": 16,
-    "guidance_embeds": True,
-    "axes_dims_rope": (8, 8, 16),
-}
+TINY_FLUX1 = {**TINY_FLUX1_CONFIG, "num_attention_heads": 3}
 CONFIGS = {
     "double+single": TINY_FLUX1,
     "double-only": {**TINY_FLUX1, "num_single_layers": 0},

@@ -138,6 +138,20 @@ FLUX1_DEV_CONFIG = {
 FLUX1_TEXT_TOKENS = 512
 """FLUX.1-dev's T5 sequence length."""
 
+TINY_FLUX1_CONFIG = {
+    "patch_size": 1,
+    "in_channels": 8,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 4,
+    "joint_attention_dim": 24,
+    "pooled_projection_dim": 16,
+    "guidance_embeds": True,
+    "axes_dims_rope": (8, 8, 16),
+}
+"""A FLUX.1 transformer small enough for CPU tests: 2 double and 2 single blocks, 4 heads of 32."""
+
 
 def build_flux1_transformer(config: dict | None = None, seed: int = 0, **device_dtype) -> FluxTransformer2DModel:
     """A FLUX.1 transformer with seeded random weights, in eval mode (default shape: FLUX.1-dev)."""
