@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,6 +18,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def restore_diffusers_active_backend() -> Iterator[None]:
+    """`model.set_attention_backend(name)` also sets diffusers' process-wide active backend: put it back after each
+    test, or every later stock reference would run through whatever backend a test chose last."""
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+    except ImportError:
+        yield
+        return
+    active = registry._active_backend
+    try:
+        yield
+    finally:
+        registry._active_backend = active
 
 
 Report = pytest.TestReport | pytest.CollectReport

@@ -45,11 +45,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def fresh_state() -> Iterator[None]:
-    """Forget the one-time warnings; restore diffusers' global active backend afterwards."""
+    """Forget the one-time warnings (conftest restores diffusers' active backend)."""
     backend_call._WARNED.clear()
-    active = Registry._active_backend
     yield
-    Registry._active_backend = active
 
 
 def qkv(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
