@@ -1,0 +1,168 @@
+#!/usr/bin/env python
+"""Run diffusers' own FLUX.2 tests twice, stock and with PictorAttn in every FLUX.2 attention, and compare.
+
+    python tests/diffusers_suite/run_diffusers_tests.py --diffusers-tests PATH [--out result.json]
+
+PATH holds diffusers' `tests/` folder (a diffusers clone, or `git archive <tag> tests` unpacked), at the tag of
+the installed diffusers. The targets are `tests/models/transformers/test_models_transformer_flux2.py` and
+`tests/pipelines/flux2/`. Both runs load `pictor_diffusers.testing.hub_substitutes` (local tokenizers for the
+two hub ids the pipeline tests fetch) with `HF_HUB_OFFLINE=1`; the second adds
+`pictor_diffusers.testing.diffusers_plugin` (`PICTOR_DIFFUSERS_PRECISION`, default fp32).
+
+Prints and writes JSON: per-run outcome counts; `regressions`, the tests that pass stock and fail with PictorAttn
+(training tests apart, in `training_regressions`: the kernels are inference-only); `fixed`, the reverse;
+`stock_processor_calls`, any test in the PictorAttn run where a diffusers FLUX.2 processor still ran; how many
+tests exercised PictorAttn, the passing tests that ran no FLUX.2 attention, and the skip reasons.
+Exit status: 0 when there are no regressions outside training and no stock calls,
+1 otherwise, 2 when the diffusers tests are missing or pytest could not run them.
+
+An on-demand tool, not part of this repository's CI (which has neither diffusers' tests nor the hub).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+TARGETS = ("tests/models/transformers/test_models_transformer_flux2.py", "tests/pipelines/flux2")
+HUB_PLUGIN = "pictor_diffusers.testing.hub_substitutes"
+PICTOR_PLUGIN = "pictor_diffusers.testing.diffusers_plugin"
+TRAINING = re.compile(r"Training")  # diffusers' TrainingTesterMixin classes: TestFlux2TransformerTraining
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_ROOT = REPO / ".diffusers-tests"
+
+
+def missing_message(root: Path) -> str:
+    return (
+        f"diffusers' tests are not at {root} (need {', '.join(TARGETS)}).\n"
+        "Get them at the installed diffusers' tag, e.g.\n"
+        "  git clone --depth 1 --branch v$(python -c 'import diffusers; print(diffusers.__version__)') "
+        "https://github.com/huggingface/diffusers /tmp/diffusers\n"
+        "and pass --diffusers-tests /tmp/diffusers (or unpack `git archive <tag> tests` into .diffusers-tests/)."
+    )
+
+
+def outcome(case: ET.Element) -> tuple[str, str]:
+    """('passed' | 'failed' | 'error' | 'skipped', first line of the message) of one junit testcase."""
+    for tag in ("failure", "error", "skipped"):
+        child = case.find(tag)
+        if child is not None:
+            message = (child.get("message") or child.text or "").strip().splitlines()
+            name = {"failure": "failed"}.get(tag, tag)
+            return name, message[0][:300] if message else ""
+    return "passed", ""
+
+
+def read_junit(path: Path) -> dict[str, dict]:
+    """test id -> {outcome, message, properties} from pytest's junit XML."""
+    results: dict[str, dict] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}"
+        state, message = outcome(case)
+        properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+        previous = results.get(test)
+        if previous is not None and previous["outcome"] != "passed" and state == "passed":
+            continue  # a teardown entry after a failure keeps the failure
+        results[test] = {"outcome": state, "message": message, "properties": properties}
+    return results
+
+
+def run_pytest(root: Path, junit: Path, pictor: bool, precision: str, extra: list[str]) -> int:
+    plugins = ["-p", HUB_PLUGIN] + (["-p", PICTOR_PLUGIN] if pictor else [])
+    command = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(root), "-p", "no:cacheprovider"]
+    command += [*plugins, "-q", "-rfE", f"--junitxml={junit}", *extra, *TARGETS]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PICTOR_DIFFUSERS_PRECISION=precision)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    label = "PictorAttn" if pictor else "stock"
+    print(f"== {label}: {' '.join(command)}", file=sys.stderr, flush=True)
+    return subprocess.run(command, cwd=root, env=env, stdout=sys.stderr, check=False).returncode  # stdout: the JSON
+
+
+def compare(stock: dict[str, dict], pictor: dict[str, dict]) -> dict:
+    def entry(test: str) -> dict:
+        return {
+            "test": test,
+            "stock": stock.get(test, {}).get("outcome", "absent"),
+            "pictor": pictor.get(test, {}).get("outcome", "absent"),
+            "message": pictor.get(test, {}).get("message") or stock.get(test, {}).get("message", ""),
+        }
+
+    tests = sorted(set(stock) | set(pictor))
+    regressed = [t for t in tests if stock.get(t, {}).get("outcome") == "passed"
+                 and pictor.get(t, {}).get("outcome") != "passed"]  # fmt: skip
+    fixed = [t for t in tests if pictor.get(t, {}).get("outcome") == "passed"
+             and stock.get(t, {}).get("outcome") in ("failed", "error")]  # fmt: skip
+    calls = {t: int(r["properties"].get("pictor_attn_calls", 0) or 0) for t, r in pictor.items()}
+    stock_calls = {t: int(r["properties"].get("stock_flux2_calls", 0) or 0) for t, r in pictor.items()}
+    skips = Counter(r["message"] for r in pictor.values() if r["outcome"] == "skipped")
+    return {
+        "counts": {
+            "stock": dict(Counter(r["outcome"] for r in stock.values())),
+            "pictor": dict(Counter(r["outcome"] for r in pictor.values())),
+        },
+        "regressions": [entry(t) for t in regressed if not TRAINING.search(t)],
+        "training_regressions": [entry(t) for t in regressed if TRAINING.search(t)],
+        "fixed": [entry(t) for t in fixed],
+        "stock_processor_calls": sorted(t for t, n in stock_calls.items() if n),
+        "tests_exercising_pictor": sum(n > 0 for n in calls.values()),
+        "passed_exercising_pictor": sum(n > 0 and pictor[t]["outcome"] == "passed" for t, n in calls.items()),
+        "passed_without_flux2_attention": sorted(
+            t for t, n in calls.items() if not n and pictor[t]["outcome"] == "passed"
+        ),
+        "skip_reasons": dict(skips.most_common()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--diffusers-tests",
+        type=Path,
+        default=Path(os.environ.get("DIFFUSERS_TESTS", DEFAULT_ROOT)),
+        help="folder holding diffusers' tests/ (default: $DIFFUSERS_TESTS, else .diffusers-tests/)",
+    )
+    parser.add_argument("--out", type=Path, help="write the JSON here too")
+    parser.add_argument("--precision", default=os.environ.get("PICTOR_DIFFUSERS_PRECISION", "fp32"))
+    parser.add_argument("pytest_args", nargs="*", help="passed to both pytest runs (after --), e.g. -k Klein")
+    args = parser.parse_args(argv)
+
+    root = args.diffusers_tests.resolve()
+    if not all((root / target).exists() for target in TARGETS):
+        print(missing_message(root), file=sys.stderr)
+        return 2
+    import diffusers
+
+    with tempfile.TemporaryDirectory(prefix="pictor-diffusers-suite-") as tmp:
+        junits = {mode: Path(tmp) / f"{mode}.xml" for mode in ("stock", "pictor")}
+        codes = {mode: run_pytest(root, junits[mode], mode == "pictor", args.precision, args.pytest_args)
+                 for mode in junits}  # fmt: skip
+        if any(code not in (0, 1) or not junits[mode].exists() for mode, code in codes.items()):
+            print(f"pytest did not complete a run (exit codes {codes})", file=sys.stderr)
+            return 2
+        stock, pictor = (read_junit(junits[mode]) for mode in ("stock", "pictor"))
+
+    source = root / "SOURCE"
+    result = {
+        "diffusers_tests": str(root),
+        "diffusers_tests_source": source.read_text().strip() if source.exists() else None,
+        "diffusers_version": diffusers.__version__,
+        "precision": args.precision,
+        **compare(stock, pictor),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 1 if result["regressions"] or result["stock_processor_calls"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The diffusers-suite tools (CPU): the pytest plugin that puts PictorAttn in every FLUX.2 attention, the hub
+tokenizer substitutes, and the comparison of the stock and PictorAttn runs (`tests/diffusers_suite`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.models.attention_processor import AttnProcessor
+from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+
+from pictor_diffusers import PictorAttn
+from pictor_diffusers.testing import diffusers_plugin
+from pictor_diffusers.testing.models import (
+    build_transformer,
+    set_kv_processors,
+    set_stock_processors,
+    transformer_inputs,
+)
+
+RUNNER = Path(__file__).parent / "diffusers_suite" / "run_diffusers_tests.py"
+
+
+@pytest.fixture
+def plugin():
+    diffusers_plugin.install()
+    yield diffusers_plugin
+    diffusers_plugin.uninstall()
+
+
+def processor_types(model: torch.nn.Module) -> set[type]:
+    return {type(processor) for processor in model.attn_processors.values()}
+
+
+def test_every_way_in_ends_at_pictor(plugin) -> None:
+    model = build_transformer()
+    assert processor_types(model) == {PictorAttn}  # module __init__
+    set_kv_processors(model)  # Flux2KleinKVPipeline's block.attn.set_processor(...)
+    assert processor_types(model) == {PictorAttn}
+    set_stock_processors(model)  # set_attn_processor with a dict
+    assert processor_types(model) == {PictorAttn}
+    model.transformer_blocks[0].attn.processor = Flux2AttnProcessor()  # past set_processor: caught at forward
+    plugin._counts.update(pictor_attn_calls=0, stock_flux2_calls=0)
+    with torch.no_grad():
+        model(**transformer_inputs(model, 1, (2, 3), 5))
+    assert processor_types(model) == {PictorAttn}
+    assert plugin._counts["pictor_attn_calls"] == len(model.attn_processors)
+    assert plugin._counts["stock_flux2_calls"] == 0
+
+
+def test_other_processors_and_settings_kept(plugin, monkeypatch) -> None:
+    model = build_transformer()
+    attn = model.transformer_blocks[0].attn
+    mine = AttnProcessor()  # not a FLUX.2 processor: a test that sets it means it
+    attn.set_processor(mine)
+    assert attn.get_processor() is mine
+    chosen = PictorAttn(precision="auto")
+    attn.set_processor(chosen)
+    assert attn.get_processor() is chosen
+    stock = Flux2AttnProcessor()
+    stock._attention_backend = "native"
+    attn.set_processor(stock)
+    assert attn.processor._attention_backend == "native"
+    monkeypatch.setenv(diffusers_plugin.PRECISION_ENV, "bf16")
+    attn.set_processor(None)
+    assert attn.processor.precision == "bf16"
+
+
+def test_uninstall_restores_stock() -> None:
+    diffusers_plugin.install()
+    diffusers_plugin.uninstall()
+    assert processor_types(build_transformer()) != {PictorAttn}
+
+
+def test_hub_substitutes_offline(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    from transformers import AutoProcessor, Qwen2TokenizerFast
+
+    from pictor_diffusers.testing import hub_substitutes
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_substitutes.install()
+    try:
+        qwen = Qwen2TokenizerFast.from_pretrained(hub_substitutes.QWEN_ID)
+        text = qwen.apply_chat_template(
+            [{"role": "user", "content": "a dog"}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        assert qwen(text, padding="max_length", max_length=64)["input_ids"][:1] == [
+            qwen.convert_tokens_to_ids("<|im_start|>")
+        ]
+        mistral = AutoProcessor.from_pretrained(hub_substitutes.MISTRAL_ID)
+        conversation = [{"role": "user", "content": [{"type": "text", "text": "a dog"}]}]
+        batch = mistral.apply_chat_template(
+            [conversation] * 2, tokenize=True, return_dict=True, return_tensors="pt",
+            padding="max_length", truncation=True, max_length=8,
+        )  # fmt: skip
+        assert tuple(batch["input_ids"].shape) == (2, 8)
+        assert int(batch["input_ids"].max()) < 32000
+    finally:
+        hub_substitutes.uninstall()
+
+
+def load_runner():
+    spec = importlib.util.spec_from_file_location("run_diffusers_tests", RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runner_compares_runs() -> None:
+    runner = load_runner()
+
+    def case(outcome: str, calls: int = 1) -> dict:
+        return {"outcome": outcome, "message": outcome, "properties": {"pictor_attn_calls": str(calls)}}
+
+    stock = {"a::T::test_x": case("passed"), "a::TestTraining::test_y": case("passed"), "a::T::test_z": case("failed")}
+    pictor = {"a::T::test_x": case("failed"), "a::TestTraining::test_y": case("failed"), "a::T::test_z": case("passed")}
+    result = runner.compare(stock, pictor)
+    assert [r["test"] for r in result["regressions"]] == ["a::T::test_x"]
+    assert [r["test"] for r in result["training_regressions"]] == ["a::TestTraining::test_y"]
+    assert [r["test"] for r in result["fixed"]] == ["a::T::test_z"]
+
+
+def test_runner_without_diffusers_tests(tmp_path, capsys) -> None:
+    assert load_runner().main(["--diffusers-tests", str(tmp_path)]) == 2
+    assert "diffusers' tests are not at" in capsys.readouterr().err
