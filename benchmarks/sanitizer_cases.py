@@ -81,8 +81,29 @@ def main() -> int:
     for case in [shape] if shape else CASES_16BIT:
         ok &= run_16bit(case, half_kernels, dtypes) if half_kernels else True
     if shape is None:
+        ok &= run_key_lens_cases(kernels, dtypes)
         ok &= run_prologue_cases()
     return 0 if ok else 1
+
+
+def run_key_lens_cases(kernels: list[str], dtypes: list[torch.dtype]) -> bool:
+    """Per-batch key counts (all keys, none, a partial tile) on every kernel: batch b against float64
+    over its first counts[b] keys; a batch with none must be all 0."""
+    counts, ok = [77, 0, 40], True
+    for dtype in [torch.float32, *dtypes]:
+        q, k, v = (t.to(dtype) for t in random_qkv(3, 2, 77, 128, seed=11))
+        key_lens = torch.tensor(counts, dtype=torch.int32, device="cuda")
+        family = F32_KERNELS if dtype == torch.float32 else HALF_KERNELS
+        for kernel in [name for name in kernels if name in family]:
+            if cannot_run(kernel, q, k, v) is not None:
+                continue
+            out = attention(q, k, v, kernel=kernel, key_lens=key_lens).double()
+            errors = [(out[b] - attention_float64(q[b:b+1], k[b:b+1, :, :n], v[b:b+1, :, :n])[0]).abs().max().item()
+                      for b, n in enumerate(counts) if n]  # fmt: skip
+            bound = 1e-5 if dtype == torch.float32 else 2e-2
+            print(f"key_lens {counts} kernel={kernel} {dtype}: max_abs {max(errors):.2e}")
+            ok &= max(errors) <= bound and bool((out[1] == 0).all())
+    return ok
 
 
 @torch.no_grad()

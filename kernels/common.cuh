@@ -13,6 +13,8 @@
      Softmax      pk_mask_tail, pk_online_softmax, pk_rescale: the flash-attention
                   online softmax on mma.sync / wgmma accumulator tiles
      LSE          pk_store_lse: the natural log-sum-exp of a row (optional output)
+     Key lengths  pk_batch_keys, pk_store_keyless_rows: per-batch key counts
+                  (key-padding masks, keys compacted to the front by the host)
      Dtypes       pk_storage<KIND>, pk_pack2<KIND>, pk_store2<KIND>, pk_store4<KIND>:
                   KIND 0 is f32, 1 bfloat16, 2 float16 (16-bit values travel
                   as raw bit patterns in unsigned short); f32 -> 16-bit rounds
@@ -197,6 +199,34 @@ __device__ __forceinline__ void pk_store4(typename pk_storage<KIND>::type* dst, 
         *(float4*)dst = x;
     } else {
         *(uint2*)dst = make_uint2(pk_pack2<KIND>(x.x, x.y), pk_pack2<KIND>(x.z, x.w));
+    }
+}
+
+/* ---- per-batch key lengths (key-padding masks) ---- */
+
+/* The keys batch blockIdx.z attends: the first key_lens[blockIdx.z] of the
+   window's seq_k (clamped to [0, seq_k]), or all seq_k when key_lens is null. */
+__device__ __forceinline__ unsigned int pk_batch_keys(const int* key_lens, unsigned int seq_k)
+{
+    return key_lens == nullptr ? seq_k : (unsigned int)min(max(key_lens[blockIdx.z], 0), (int)seq_k);
+}
+
+/* The block's query rows [blockIdx.x * rows, + rows) of head blockIdx.y when
+   its batch has no keys: outputs 0 and LSE -inf, what torch's SDPA gives a
+   row whose keys are all masked. out: token-major [batch, out_pitch,
+   num_heads * head_dim] of dtype KIND (0 is 0 in every dtype), at the
+   window's first row; rows >= seq_q are left alone. */
+template <int KIND>
+__device__ __forceinline__ void pk_store_keyless_rows(typename pk_storage<KIND>::type* out, float* lse,
+                                                      unsigned int rows, unsigned int seq_q, unsigned int num_heads,
+                                                      unsigned int head_dim, unsigned int out_pitch)
+{
+    for (unsigned int i = threadIdx.x; i < rows * head_dim; i += blockDim.x) {
+        const unsigned int row = blockIdx.x * rows + i / head_dim, col = i % head_dim;
+        if (row >= seq_q) continue;
+        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
+        out[(token * num_heads + blockIdx.y) * head_dim + col] = 0;
+        if (col == 0 && lse != nullptr) lse[token * num_heads + blockIdx.y] = PK_NEG_INF;
     }
 }
 

@@ -34,6 +34,10 @@
                  out[b, n, h*head_dim + d] = O[b, h, n, d]
        lse     : [batch, out_pitch, num_heads] f32, natural log-sum-exp of
                  each row's scaled logits; null: not written
+       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
+                 keys of the window (clamped to [0, seq_k]), the host having moved a
+                 key-padding mask's kept keys to the front; with none its rows
+                 are 0 and their LSE -inf (as torch's SDPA)
 
    Variants: the host compiles this source once per FA_DMAX (the compile-time
    bound on head_dim that sizes the per-lane register arrays); any head_dim in
@@ -63,6 +67,7 @@ extern "C" __global__ void joint_attention_flash_f32(
     const float* __restrict__ v,
     float* __restrict__ out,
     float* __restrict__ lse,
+    const int* __restrict__ key_lens,
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -76,6 +81,11 @@ extern "C" __global__ void joint_attention_flash_f32(
     const unsigned int b = blockIdx.z;
     const unsigned int q0 = blockIdx.x * FA_BQ;
     if (h >= num_heads || q0 >= seq_q) return;
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k == 0) {
+        pk_store_keyless_rows<0>(out, lse, FA_BQ, seq_q, num_heads, head_dim, out_pitch);
+        return;
+    }
 
     const unsigned int tid = threadIdx.x;
     const unsigned int lane = tid & 31u;

@@ -39,6 +39,10 @@
                  (0: f32, 1: bf16, 2: f16), offset by the host to the window's
                  first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
+       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
+                 keys of the window (clamped to [0, seq_k]), the host having moved a
+                 key-padding mask's kept keys to the front; with none its rows
+                 are 0 and their LSE -inf (as torch's SDPA)
    Precision: about 2^-22 relative per product term, f32 softmax, IEEE
    accumulation across key tiles; the output rounds once. Needs sm_90a. */
 
@@ -289,6 +293,7 @@ joint_attention_fp16x3(
     const __grid_constant__ pk_tensor_map tm_v,
     typename pk_storage<X3_OUT_KIND>::type* __restrict__ out,
     float* __restrict__ lse,
+    const int* __restrict__ key_lens,
     const unsigned int* __restrict__ colmax,
     unsigned int num_heads,
     unsigned int seq_q,
@@ -298,6 +303,11 @@ joint_attention_fp16x3(
 {
     extern __shared__ __align__(1024) unsigned char x3_smem_raw[];
     const x3_smem m = x3_carve(x3_smem_raw);
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k == 0) {
+        pk_store_keyless_rows<X3_OUT_KIND>(out, lse, X3_BQ, seq_q, num_heads, X3_D, out_pitch);
+        return;
+    }
     const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 
     if (threadIdx.x == 0) {

@@ -42,6 +42,10 @@
                  keys [0, seq_k) attended
        out     : token-major [batch, out_pitch, num_heads * MH_D], same dtype
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
+       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
+                 keys of the window (clamped to [0, seq_k]), the host having moved a
+                 key-padding mask's kept keys to the front; with none its rows
+                 are 0 and their LSE -inf (as torch's SDPA)
    Precision: f32 logits, softmax state and accumulators (exp2 and the final
    1 / l by the ex2.approx / rcp.approx units). P is rounded to the input
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
@@ -149,6 +153,7 @@ joint_attention_mma16(
     const unsigned short* __restrict__ v,
     unsigned short* __restrict__ out,
     float* __restrict__ lse,
+    const int* __restrict__ key_lens,
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -161,6 +166,15 @@ joint_attention_mma16(
     const unsigned int sQ = pk_smem_addr(mh_smem);
     const unsigned int sK = sQ + MH_Q_BYTES;
     const unsigned int sV = sK + MH_KV_BYTES;
+    /* The batch's key count lives in shared memory and is re-read where used:
+       at head_dim 128 every register is taken by the accumulators. */
+    __shared__ unsigned int mh_keys;
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k == 0) {
+        pk_store_keyless_rows<MH_IN_KIND>(out, lse, MH_BQ, seq_q, num_heads, MH_D, out_pitch);
+        return;
+    }
+    if (threadIdx.x == 0) mh_keys = seq_k;
 
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;
@@ -171,7 +185,7 @@ joint_attention_mma16(
     const unsigned int t = lane & 3u;
     const unsigned long long plane = (unsigned long long)b * num_heads + h;
     const unsigned long long kv_off = plane * kv_pitch * MH_D;
-    const unsigned short* kh = k + kv_off;
+    const unsigned short* kh = k + kv_off;   /* advance one key tile per iteration */
     const unsigned short* vh = v + kv_off;
 
     mh_copy_tile<MH_BQ>(sQ, q + (plane * q_pitch + q0) * MH_D, seq_q - q0);
@@ -202,12 +216,10 @@ joint_attention_mma16(
     float m_run[4] = {PK_NEG_INF, PK_NEG_INF, PK_NEG_INF, PK_NEG_INF};  /* max of scale*log2e*s */
     float l_run[4] = {0.f, 0.f, 0.f, 0.f};       /* this thread's part of the running sums */
 
-    const unsigned int n_tiles = (seq_k + MH_BK - 1) / MH_BK;
-    for (unsigned int tile = 0; tile < n_tiles; tile++) {
-        const unsigned int k0 = tile * MH_BK;
+    for (unsigned int k0 = 0;; k0 += MH_BK) {
         pk_cp_async_wait_all();
-        __syncthreads();                  /* K[tile] (and Q) landed; V no longer read */
-        mh_copy_tile<MH_BK>(sV, vh + (unsigned long long)k0 * MH_D, seq_k - k0);
+        __syncthreads();                  /* this tile's K (and Q) landed; V no longer read; mh_keys set */
+        mh_copy_tile<MH_BK>(sV, vh, *(volatile unsigned int*)&mh_keys - k0);
         pk_cp_async_commit();
 
         float s[2][MH_STILES][4];
@@ -229,15 +241,17 @@ joint_attention_mma16(
             }
         }
 
-        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, seq_k, t);
+        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, *(volatile unsigned int*)&mh_keys, t);
         float corr[4];
         pk_online_softmax<MH_STILES, 2, true>(&s[0][0][0], m_run, l_run, corr, scale_log2);
         pk_rescale<MH_OTILES, 2>(&o[0][0][0], corr);
 
         pk_cp_async_wait_all();
-        __syncthreads();                  /* V[tile] landed; K no longer read */
-        if (tile + 1 < n_tiles) {
-            mh_copy_tile<MH_BK>(sK, kh + (unsigned long long)(k0 + MH_BK) * MH_D, seq_k - k0 - MH_BK);
+        __syncthreads();                  /* this tile's V landed; K no longer read */
+        const unsigned int keys_after = *(volatile unsigned int*)&mh_keys - k0 - MH_BK;
+        if ((int)keys_after > 0) {
+            kh += MH_BK * MH_D;
+            mh_copy_tile<MH_BK>(sK, kh, keys_after);
             pk_cp_async_commit();
         }
 
@@ -258,6 +272,8 @@ joint_attention_mma16(
                 mh_mma_2x2(o, 2 * p, pa, bv);
             }
         }
+        if (k0 + MH_BK >= *(volatile unsigned int*)&mh_keys) break;
+        vh += MH_BK * MH_D;
     }
 
     #pragma unroll

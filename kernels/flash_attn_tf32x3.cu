@@ -41,6 +41,10 @@
        out     : token-major [batch, out_pitch, num_heads * FT_D]; f32, or the
                  16-bit bit patterns of bf16 / f16 (FT_OUT_KIND 1 / 2)
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
+       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
+                 keys of the window (clamped to [0, seq_k]), the host having moved a
+                 key-padding mask's kept keys to the front; with none its rows
+                 are 0 and their LSE -inf (as torch's SDPA)
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
@@ -147,6 +151,7 @@ joint_attention_tf32x3(
     const float* __restrict__ v,
     ft_out_t* __restrict__ out,
     float* __restrict__ lse,
+    const int* __restrict__ key_lens,
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -160,6 +165,11 @@ joint_attention_tf32x3(
     uint2* Ks = Qs + FT_BQ * FT_LDQ;
     uint2* Vs = Ks + FT_BK * FT_LDK;
     float* V_raw = (float*)(Vs + FT_BK * FT_LDV);
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k == 0) {
+        pk_store_keyless_rows<FT_OUT_KIND>(out, lse, FT_BQ, seq_q, num_heads, FT_D, out_pitch);
+        return;
+    }
 
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;

@@ -1,8 +1,8 @@
 /* flash_attn_wgmma.cu: bf16/fp16 joint attention on Hopper tensor cores (pictor-diffusers).
 
-   Algorithm: flash-attention forward, non-causal, no mask, online softmax in the
-   exp2 domain (scale * log2(e) folded into one FFMA), f32 accumulators and f32
-   softmax state. Warp-specialised, after FlashAttention-3:
+   Algorithm: flash-attention forward, non-causal, per-batch key lengths (key
+   padding), online softmax in the exp2 domain (scale * log2(e) folded into
+   one FFMA), f32 accumulators and f32 softmax state. Warp-specialised, after FlashAttention-3:
      * warpgroup 0 is the producer: it first gives up most of its registers
        (setmaxnreg) to the consumers, then one thread issues bulk tensor
        copies (TMA) of the Q tile once and of K/V tiles into a WG_STAGES-deep
@@ -41,6 +41,10 @@
        out     : token-major [batch, out_pitch, num_heads * 128], same dtype,
                  offset by the host to the window's first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
+       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
+                 keys of the window (clamped to [0, seq_k]), the host having moved a
+                 key-padding mask's kept keys to the front; with none its rows
+                 are 0 and their LSE -inf (as torch's SDPA)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
@@ -242,6 +246,7 @@ joint_attention_wgmma(
     const __grid_constant__ pk_tensor_map tm_v,
     unsigned short* __restrict__ out,
     float* __restrict__ lse,
+    const int* __restrict__ key_lens,
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -250,6 +255,11 @@ joint_attention_wgmma(
 {
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     const wg_smem m = wg_carve(wg_smem_raw);
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k == 0) {
+        pk_store_keyless_rows<WG_IN_KIND>(out, lse, WG_BQ, seq_q, num_heads, WG_D, out_pitch);
+        return;
+    }
     const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
 
     if (threadIdx.x == 0) {

@@ -5,12 +5,15 @@ to head-major contiguous `[B, H, N, D]` in the compute dtype (the kernels read t
 kernel's token-major `[B, Nq, H*D]` output as a `[B, Nq, H, D]` view, without a copy; with
 `return_lse=True` also the log-sum-exp, `[B, Nq, H]` float32 (natural log).
 
-Served: non-causal attention without mask or dropout, any Nq and Nk (Wan's text cross-attention), equal
+Served: non-causal attention without dropout, any Nq and Nk (Wan's text cross-attention), equal
 q/k/v heads and head_dim (1..384), float32 / bfloat16 / float16 on CPU or CUDA, inference (no autograd
-recording), and context parallelism (`_parallel_config`): diffusers' own Ulysses / ring / unified
-templates run around pictor's kernel, the ring merging by pictor's log-sum-exp. Any other call (a mask,
-is_causal, dropout_p > 0, grouped-query heads, another dtype or head_dim, gradients) runs diffusers'
-native backend, with one warning per reason naming it; masks are never dropped.
+recording), boolean key-padding masks (`key_padding`: Qwen-Image's `[B, 1, 1, Nk]` text-padding mask, holes
+anywhere), and context parallelism (`_parallel_config`) without a mask: diffusers' own Ulysses / ring /
+unified templates run around pictor's kernel, the ring merging by pictor's log-sum-exp. A key-padding mask
+costs no extra pass: the one copy to head-major gathers each batch's kept keys to the front, and the
+kernels attend each batch's first `key_lens[b]` keys. Any other call (another mask, is_causal,
+dropout_p > 0, grouped-query heads, another dtype or head_dim, gradients) runs diffusers' native backend,
+with one warning per reason naming it; masks are never dropped.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def _unsupported(
     scale: float | None,
 ) -> tuple[str, str] | None:
     """(reason key, what it is) when pictor's kernels cannot serve the call, else None."""
-    if attn_mask is not None:
-        return "attn_mask", f"attention masks (attn_mask of shape {tuple(attn_mask.shape)})"
+    if attn_mask is not None and key_padding(attn_mask, query.shape[0], key.shape[1]) is None:
+        shape, dtype = tuple(attn_mask.shape), attn_mask.dtype
+        return "attn_mask", f"attention masks other than boolean key padding (attn_mask {dtype} {shape})"
     if is_causal:
         return "is_causal", "causal attention (is_causal=True)"
     if dropout_p:
@@ -81,6 +85,28 @@ def _unsupported(
     return None
 
 
+def key_padding(attn_mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor | None:
+    """`attn_mask` as a `[B, Nk]` bool key-padding mask (True: attend), or None when it is not one.
+
+    Key padding: bool, and, broadcast as SDPA does to `[B, H, Nq, Nk]` (dims aligned from the right), the
+    same for every head and query: `[1, Nk]`, `[1, 1, Nk]` or `[1|B, 1, 1, Nk]` (a 2-D `[B, Nk]` would
+    broadcast over queries, not batches). Masks that vary over queries or heads are not key padding.
+    """
+    if attn_mask.dtype != torch.bool or not 2 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != seq_k:
+        return None
+    leading = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape[:-1])
+    if leading[0] not in (1, batch) or leading[1:] != (1, 1):
+        return None
+    return attn_mask.reshape(-1, seq_k).expand(batch, seq_k)
+
+
+def _gathered(tensor: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """k or v `[B, Nk, H, D]` -> head-major contiguous `[B, H, Nk, D]` in `dtype`, keys of batch b in the
+    order `order[b, 0, :, 0]`, in one gather (and a cast only when `dtype` differs)."""
+    gathered = torch.take_along_dim(tensor.transpose(1, 2), order, dim=2)
+    return gathered.to(dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def _profiling() -> bool:
     enabled = getattr(torch.autograd, "_profiler_enabled", None)
     return enabled is not None and not torch.compiler.is_compiling() and enabled()
@@ -96,19 +122,26 @@ def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _serve(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
-    return_lse: bool,
+    return_lse: bool, attn_mask: torch.Tensor | None = None,
 ) -> Output:  # fmt: skip
-    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` -> pictor attention -> `[B, Nq, H, D]` in the inputs' dtype
-    (and the LSE `[B, Nq, H]` float32 when asked).
+    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a key-padding `attn_mask`, see `key_padding`) -> pictor
+    attention -> `[B, Nq, H, D]` in the inputs' dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
-    One copy in per tensor (head-major contiguous in `compute`), none out: the kernel writes token-major
-    `[B, Nq, H*D]`, returned as a view.
+    One copy in per tensor (head-major contiguous in `compute`; with a mask, k and v gathered kept keys
+    first), none out: the kernel writes token-major `[B, Nq, H*D]`, returned as a view.
     """
     batch, seq, heads, head_dim = query.shape
     dtype = query.dtype
-    q, k, v = (_head_major(t, compute) for t in (query, key, value))
+    q = _head_major(query, compute)
+    if attn_mask is None:
+        k, v, key_lens = _head_major(key, compute), _head_major(value, compute), None
+    else:
+        mask = key_padding(attn_mask, batch, key.shape[1])
+        kept_first = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, None, :, None]
+        k, v = _gathered(key, kept_first, compute), _gathered(value, kept_first, compute)
+        key_lens = mask.sum(1, dtype=torch.int32)
     out_dtype = dtype if compute == torch.float32 else compute
-    result = attention(q, k, v, scale, out_dtype=out_dtype, kernel="auto", return_lse=return_lse)
+    result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens)
     out, lse = result if return_lse else (result, None)
     out = out.to(dtype).view(batch, seq, heads, head_dim)
     return (out, lse) if return_lse else out
@@ -162,6 +195,8 @@ def make_backend(
         problem = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale)
         if problem is None and _parallel_config is not None and template is None:
             problem = ("parallel_config", "context parallelism (this diffusers has no context-parallel template)")
+        if problem is None and _parallel_config is not None and attn_mask is not None:
+            problem = ("parallel_mask", "a key-padding mask under context parallelism")
         if problem is None:
             if _parallel_config is not None:
                 call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
@@ -170,8 +205,8 @@ def make_backend(
                 )
             if _profiling():
                 with torch.profiler.record_function("pictor::attention"):
-                    return _serve(query, key, value, scale, compute, return_lse)
-            return _serve(query, key, value, scale, compute, return_lse)
+                    return _serve(query, key, value, scale, compute, return_lse, attn_mask)
+            return _serve(query, key, value, scale, compute, return_lse, attn_mask)
         reason, detail = problem
         if return_lse:
             raise NotImplementedError(

@@ -110,6 +110,7 @@ def attention_cuda(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     window: Window | None = None,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of validated CUDA inputs, token-major `[B, Nq, H*D]` in `out_dtype`.
 
@@ -122,6 +123,8 @@ def attention_cuda(
             log-sum-exp of its scaled logits.
         window: compute only query rows [q_start, q_stop) over keys [k_start, k_stop) (the
             rest of `out` and `lse` is left as it is); default: all rows over all keys.
+        key_lens: if given, `[B]` int32 contiguous: batch b attends the first `key_lens[b]` keys of
+            the window (clamped to [0, window keys]); a batch with none gets rows of 0 and LSE -inf (as torch's SDPA).
     """
     batch, heads, seq_q, head_dim = query.shape
     window = full_window(query, key) if window is None else window
@@ -135,7 +138,7 @@ def attention_cuda(
     written = DTYPES[variant.out_dtype]
     shape = (batch, seq_q, heads * head_dim)
     result = output(out if written == out_dtype else None, shape, written, query.device)
-    launch_attention(variant, query, key, value, result, lse, scale, window)
+    launch_attention(variant, query, key, value, result, lse, scale, window, key_lens)
     if written == out_dtype:
         return result
     if out is None:
@@ -154,9 +157,10 @@ def launch_attention(
     lse: torch.Tensor | None,
     scale: float,
     window: Window,
+    key_lens: torch.Tensor | None = None,
 ) -> None:
     """Launch an attention `variant` on inputs and an output it accepts (see `registry.blocker`),
-    for the rows of `window`."""
+    for the rows of `window` (and `key_lens` keys of each batch, if given)."""
     spec = variant.spec
     batch, heads, seq_q, head_dim = query.shape
     q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
@@ -167,6 +171,7 @@ def launch_attention(
         value.data_ptr() + window.k_start * row_bytes,
         out.data_ptr() + window.q_start * heads * head_dim * out.element_size(),
         0 if lse is None else lse.data_ptr() + window.q_start * heads * 4,
+        0 if key_lens is None else key_lens.data_ptr(),
     )
     geometry = Geometry(batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype)
     scalars = {
@@ -201,10 +206,10 @@ def _operands(
     kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], object]:
     """(operand values, their ctypes kinds, what must stay referenced until the launch) of a row's
-    operand kind, from the window's (q, k, v, out, lse) addresses; "split_planes" runs the split
-    prepass first."""
+    operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs the
+    split prepass first."""
     if kind == "pointers":
-        return pointers, (_U64,) * 5, None
+        return pointers, (_U64,) * 6, None
     g = geometry
     if kind == "tensor_maps":
         maps = [
@@ -212,7 +217,7 @@ def _operands(
             tensor_maps.map_at(pointers[1], g.planes, g.k_count, g.kv_pitch, g.head_dim, g.dtype),
             tensor_maps.map_at(pointers[2], g.planes, g.k_count, g.kv_pitch, g.head_dim, g.dtype),
         ]
-        return (*(address for _, address in maps), *pointers[3:]), (None, None, None, _U64, _U64), maps
+        return (*(address for _, address in maps), *pointers[3:]), (None, None, None, _U64, _U64, _U64), maps
     planes, colmax = split_planes(pointers[:3], geometry, device_index)
     base, half = planes.data_ptr(), 2
     q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
@@ -225,7 +230,7 @@ def _operands(
                            torch.float16, _SPLIT_BOX_ROWS),
     ]  # fmt: skip
     operands = (*(address for _, address in maps), *pointers[3:], colmax.data_ptr())
-    return operands, (None, None, None, _U64, _U64, _U64), (maps, planes, colmax)
+    return operands, (None, None, None, _U64, _U64, _U64, _U64), (maps, planes, colmax)
 
 
 _SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5

@@ -15,55 +15,86 @@ import torch
 
 from .launch import Window, attention_cuda
 from .reference import online_softmax_attention
-from .validation import check_attention_inputs, check_kernel_choice, check_scale
+from .validation import check_attention_inputs, check_kernel_choice, check_key_lens, check_scale
 
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _attention_impl(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: torch.dtype,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Validated inputs -> token-major `[B, Nq, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
     if query.device.type == "cuda":
-        return attention_cuda(query, key, value, scale, kernel, out_dtype)
+        return attention_cuda(query, key, value, scale, kernel, out_dtype, key_lens=key_lens)
     upcast = tuple(t.float() for t in (query, key, value))
-    return online_softmax_attention(*upcast, scale).to(out_dtype)
+    return online_softmax_attention(*upcast, scale, key_lens=key_lens).to(out_dtype)
 
 
 def _attention_lse_impl(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: torch.dtype,
+    key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attention_impl` plus each row's natural log-sum-exp, `[B, Nq, H]` float32."""
     batch, heads, seq_q, _ = query.shape
     if query.device.type == "cuda":
         lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device)
-        return attention_cuda(query, key, value, scale, kernel, out_dtype, lse=lse), lse
+        return attention_cuda(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens), lse
     upcast = tuple(t.float() for t in (query, key, value))
-    out, lse = online_softmax_attention(*upcast, scale, return_lse=True)
+    out, lse = online_softmax_attention(*upcast, scale, return_lse=True, key_lens=key_lens)
     return out.to(out_dtype), lse
 
 
 def _validated(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: torch.dtype,
+    key_lens: torch.Tensor | None,
 ) -> None:
     check_attention_inputs(query, key, value)
+    check_key_lens(key_lens, query)
     check_kernel_choice(kernel, query.dtype, out_dtype)
     check_scale(scale)
 
 
 @torch.library.custom_op("pictor::attention", mutates_args=())
 def _attention_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: str,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {tuple(OUT_DTYPES)}, got {out_dtype!r}")
-    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
-    return _attention_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
+    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
+    return _attention_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
 
 
 @_attention_op.register_fake
 def _attention_op_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: str,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, heads, seq, head_dim = query.shape
     return query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
@@ -71,17 +102,29 @@ def _attention_op_fake(
 
 @torch.library.custom_op("pictor::attention_lse", mutates_args=())
 def _attention_lse_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: str,
+    key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {tuple(OUT_DTYPES)}, got {out_dtype!r}")
-    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
-    return _attention_lse_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype])
+    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
+    return _attention_lse_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
 
 
 @_attention_lse_op.register_fake
 def _attention_lse_op_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: str
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: str,
+    key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq, head_dim = query.shape
     out = query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
@@ -112,8 +155,9 @@ def attention(
     out_dtype: torch.dtype | None = None,
     kernel: str = "auto",
     return_lse: bool = False,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal scaled-dot-product attention (inference only).
+    """Non-causal scaled-dot-product attention (inference only), with optional per-batch key counts.
 
     Args:
         query: head-major `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; contiguous,
@@ -130,6 +174,11 @@ def attention(
         return_lse: also return the natural log-sum-exp of each row's scaled
             logits, `lse[b, n, h] = log(sum_j exp(scale * q[b, h, n] . k[b, h, j]))`,
             `[B, Nq, H]` float32 (the layout diffusers' ring-attention merge uses).
+        key_lens: None, or int32 `[B]` on the inputs' device: batch b attends only its first
+            `key_lens[b]` keys (values are clamped to [0, Nk], on the device, with no host sync).
+            A key-padding mask becomes this by moving each batch's kept keys to the front
+            (`pictor_diffusers.backend_call` does so for diffusers' masks). A batch with no keys
+            gets NaN outputs and LSE -inf, as SDPA gives a row whose keys are all masked.
 
     Returns:
         token-major `[B, Nq, H*D]` on the inputs' device:
@@ -147,6 +196,7 @@ def attention(
     (`pictor_diffusers.reference`).
     """
     check_attention_inputs(query, key, value)
+    check_key_lens(key_lens, query)
     out_dtype = query.dtype if out_dtype is None else out_dtype
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     check_kernel_choice(kernel, query.dtype, out_dtype)
@@ -154,10 +204,10 @@ def attention(
     if needs_op(query, key, value):
         name = str(out_dtype).removeprefix("torch.")
         op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
-        return op(query, key, value, scale, kernel, name)
+        return op(query, key, value, scale, kernel, name, key_lens)
     if return_lse:
-        return _attention_lse_impl(query, key, value, scale, kernel, out_dtype)
-    return _attention_impl(query, key, value, scale, kernel, out_dtype)
+        return _attention_lse_impl(query, key, value, scale, kernel, out_dtype, key_lens)
+    return _attention_impl(query, key, value, scale, kernel, out_dtype, key_lens)
 
 
 def windowed_attention(

@@ -21,6 +21,7 @@ def online_softmax_attention(
     scale: float,
     tile_keys: int = CPU_TILE_KEYS,
     return_lse: bool = False,
+    key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention by online softmax, in float32.
 
@@ -29,6 +30,8 @@ def online_softmax_attention(
         scale: multiplies the logits `Q K^T`.
         tile_keys: keys per online-softmax step.
         return_lse: also return each row's natural log-sum-exp of its scaled logits.
+        key_lens: `[B]` integers or None: batch b attends its first `key_lens[b]` keys (clamped to
+            [0, Nk]), as the kernels do; a batch with none gets rows of 0 and LSE -inf (as torch's SDPA).
 
     Returns:
         token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
@@ -40,16 +43,25 @@ def online_softmax_attention(
     running_max = torch.full((batch, heads, seq, 1), float("-inf"), dtype=torch.float32, device=q.device)
     running_sum = torch.zeros((batch, heads, seq, 1), dtype=torch.float32, device=q.device)
     acc = torch.zeros((batch, heads, seq, head_dim), dtype=torch.float32, device=q.device)
+    kept = None if key_lens is None else key_lens.to(q.device, torch.int64).clamp(0, k.shape[2]).view(batch, 1, 1, 1)
     for start in range(0, k.shape[2], tile_keys):
         k_tile = k[:, :, start : start + tile_keys]
         v_tile = v[:, :, start : start + tile_keys]
         scores = torch.matmul(q, k_tile.transpose(-1, -2)) * scale
+        if kept is not None:
+            index = torch.arange(start, start + k_tile.shape[2], device=q.device)
+            scores = scores.masked_fill(index >= kept, float("-inf"))
+            if not start:  # a batch with no keys: its running max stays -inf, and -inf - -inf is NaN
+                scores = scores.masked_fill(kept == 0, 0.0)
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
         correction = torch.exp(running_max - new_max)
         probs = torch.exp(scores - new_max)
         running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
         acc = acc * correction + torch.matmul(probs, v_tile)
         running_max = new_max
+    if kept is not None:
+        acc = acc.masked_fill(kept == 0, 0.0)
+        running_max = running_max.masked_fill(kept == 0, float("-inf"))
     out = (acc / running_sum).transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
     if not return_lse:
         return out

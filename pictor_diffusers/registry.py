@@ -82,10 +82,11 @@ class KernelSpec:
         flags: further NVRTC options. `-ftz=true` (denormal intermediates flush to zero) is what
             CuPy compiled these kernels with before the registry; it is kept, explicitly, so that
             the same source gives the same machine code (without it 3xTF32 ran 1.5-5% slower).
-        operands: "pointers" (q, k, v, out, lse), "tensor_maps" (TMA maps of q, k, v; out and lse
-            pointers) or "split_planes" (`SPLIT` first turns f32 q, k, v into scaled fp16 hi/lo
-            planes; the kernel takes TMA maps of the planes, out, lse and the split's column maxima).
-            Every pointer is the first row of the launch's window; lse may be null (0).
+        operands: "pointers" (q, k, v, out, lse, key_lens), "tensor_maps" (TMA maps of q, k, v; out,
+            lse and key_lens pointers) or "split_planes" (`SPLIT` first turns f32 q, k, v into scaled
+            fp16 hi/lo planes; the kernel takes TMA maps of the planes, out, lse, key_lens and the
+            split's column maxima). Every pointer is the first row of the launch's window; lse and
+            key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
     """
 

@@ -55,6 +55,24 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
         raise ValueError(f"key and value need at least one token, got Nk={key.shape[2]}")
 
 
+def check_key_lens(key_lens: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Raise ValueError/TypeError unless `key_lens` is None or a contiguous int32 `[B]` tensor on query's
+    device (per-batch key counts; their values are clamped to [0, Nk] by the kernels, never read here)."""
+    if key_lens is None:
+        return
+    if not isinstance(key_lens, torch.Tensor):
+        raise TypeError(f"key_lens must be a torch.Tensor or None, got {type(key_lens).__name__}")
+    if key_lens.dtype != torch.int32:
+        raise TypeError(f"key_lens must be int32, got {key_lens.dtype}")
+    if key_lens.shape != (query.shape[0],) or not key_lens.is_contiguous():
+        raise ValueError(
+            f"key_lens must be a contiguous [B] = [{query.shape[0]}] tensor, got shape {tuple(key_lens.shape)} "
+            f"strides {tuple(key_lens.stride())}"
+        )
+    if key_lens.device != query.device:
+        raise ValueError(f"key_lens is on {key_lens.device} but query is on {query.device}; all must share a device")
+
+
 def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """The common case in few operations (the host cost of every call); False sends the
     inputs through the detailed checks, which name what is wrong."""

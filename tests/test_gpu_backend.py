@@ -161,3 +161,34 @@ def test_flux1_against_native(
     with torch.no_grad(), count_launches(monkeypatch) as after:
         model(**inputs)
     assert after == {"fp32": 0, "16bit": 0}, f"pictor stayed active after {path}: {after}"
+
+
+MASKED_KERNELS = {"pictor": "fp32", "pictor_bf16": "16bit"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(MASKED_KERNELS))
+@pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(3, 300, 300), (2, 4096, 4096 + 77)])
+def test_key_padding_mask(batch: int, seq_q: int, seq_k: int, name: str, dtype: torch.dtype, monkeypatch) -> None:
+    """A Qwen-Image-style `[B, 1, 1, Nk]` bool mask (holes anywhere; one batch keeps no key) served by one
+    pictor launch on CUDA tensors, against float64 SDPA with the same mask (16-bit: on the rounded inputs)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    generator = torch.Generator(device="cuda").manual_seed(seq_k)
+    query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).to(dtype)
+    key, value = (torch.randn(batch, seq_k, 4, 128, device="cuda", generator=generator).to(dtype) for _ in "kv")
+    mask = torch.rand(batch, 1, 1, seq_k, device="cuda", generator=generator) > 0.3
+    mask[1] = False
+    compute = torch.float32 if name == "pictor" else torch.bfloat16
+    rounded = [t.to(compute).double().transpose(1, 2) for t in (query, key, value)]
+    exact = torch.nn.functional.scaled_dot_product_attention(*rounded, attn_mask=mask).transpose(1, 2)
+    native = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="native")
+    with count_launches(monkeypatch) as calls:
+        out = dispatch_attention_fn(query, key, value, attn_mask=mask, backend=name)
+    assert calls[MASKED_KERNELS[name]] == 1 and sum(calls.values()) == 1, calls
+    assert out.shape == query.shape and out.dtype == dtype and (out[1] == 0).all()
+    error = ((out.double() - exact).norm() / exact.norm()).item()
+    native_error = ((native.double() - exact).norm() / exact.norm()).item()
+    bound = FP32_REL_L2_TOL if compute == dtype == torch.float32 else 2.0 * native_error + 4e-3
+    print(f"mask B{batch} Nq{seq_q} Nk{seq_k} {name} {dtype}: rel L2 {error:.2e} (native {native_error:.2e})")
+    assert error <= bound, f"{name} {dtype}: rel L2 {error:.3e} > {bound:.3e}"
