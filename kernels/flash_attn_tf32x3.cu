@@ -165,11 +165,15 @@ joint_attention_tf32x3(
     uint2* Ks = Qs + FT_BQ * FT_LDQ;
     uint2* Vs = Ks + FT_BK * FT_LDK;
     float* V_raw = (float*)(Vs + FT_BK * FT_LDV);
+    /* The batch's key count lives in shared memory and is re-read where used:
+       at head_dim 128 every register is taken by the accumulators. */
+    __shared__ unsigned int ft_keys;
     seq_k = pk_batch_keys(key_lens, seq_k);
     if (seq_k == 0) {
         pk_store_keyless_rows<FT_OUT_KIND>(out, lse, FT_BQ, seq_q, num_heads, FT_D, out_pitch);
         return;
     }
+    if (threadIdx.x == 0) ft_keys = seq_k;
 
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;
@@ -198,10 +202,8 @@ joint_attention_tf32x3(
     float l_run[2] = {0.f, 0.f};                 /* this thread's part of the running sums */
     const uint2* Qw = Qs + warp * 16 * FT_LDQ;
 
-    const unsigned int n_tiles = (seq_k + FT_BK - 1) / FT_BK;
-    for (unsigned int tile = 0; tile < n_tiles; tile++) {
-        const unsigned int k0 = tile * FT_BK;
-        __syncthreads();
+    for (unsigned int k0 = 0;; k0 += FT_BK) {
+        __syncthreads();                  /* also publishes ft_keys */
         pk_cp_async_wait_all();
         #pragma unroll
         for (int i = 0; i < FT_F4_PER_THREAD; i++) {
@@ -210,9 +212,9 @@ joint_attention_tf32x3(
             ft_store_split4(Vs, FT_LDV, idx, *(const float4*)(V_raw + idx * 4));
         }
         __syncthreads();
-        if (tile + 1 < n_tiles) {
-            ft_load_tile(k4, k0 + FT_BK, seq_k, k_next);
-            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, seq_k);
+        if (k0 + FT_BK < *(volatile unsigned int*)&ft_keys) {
+            ft_load_tile(k4, k0 + FT_BK, *(volatile unsigned int*)&ft_keys, k_next);
+            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, *(volatile unsigned int*)&ft_keys);
         }
 
         /* hi.hi products and the two cross terms accumulate apart: tensor-core
@@ -241,7 +243,7 @@ joint_attention_tf32x3(
             for (int c = 0; c < 4; c++) s[n][c] += s_cross[n][c];
         }
 
-        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, seq_k, t);
+        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, *(volatile unsigned int*)&ft_keys, t);
         float corr[2];
         pk_online_softmax<FT_NTILES_S, 1, false>(&s[0][0], m_run, l_run, corr, scale_log2);
         /* O = O * corr + P V. Each chunk of FT_PV_CHUNK output tiles sums this
@@ -269,6 +271,7 @@ joint_attention_tf32x3(
                 }
             }
         }
+        if (k0 + FT_BK >= *(volatile unsigned int*)&ft_keys) break;
     }
 
     #pragma unroll

@@ -427,7 +427,11 @@ def test_diffusers_attn_backend_env(env: str) -> None:
         "from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R\n"
         "print(R._active_backend.value)\n"
     )
-    environment = {**os.environ, "DIFFUSERS_ATTN_BACKEND": env, "PYTHONPATH": str(root)}
+    environment = {
+        **os.environ,
+        "DIFFUSERS_ATTN_BACKEND": env,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(
         [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
     )
