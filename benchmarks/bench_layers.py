@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
-from diffusers.models.transformers.transformer_wan import WanAttention
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
 import pictor_diffusers  # noqa: F401  (registers the backends)
 from pictor_diffusers.testing.references import rel_l2
@@ -36,8 +36,9 @@ def wan_layers(tokens: int) -> dict[str, Callable[[], torch.Tensor]]:
     """The self- and cross-attention calls of one Wan2.1-14B block, bf16 on CUDA."""
     torch.manual_seed(0)
     options = {"device": "cuda", "dtype": torch.bfloat16}
-    self_attn = WanAttention(dim=5120, heads=40, dim_head=128, eps=1e-6).to(**options).eval()
-    cross_attn = WanAttention(dim=5120, heads=40, dim_head=128, eps=1e-6, cross_attention_dim_head=128)
+    layer = {"dim": 5120, "heads": 40, "dim_head": 128, "eps": 1e-6}
+    self_attn = WanAttention(**layer, processor=WanAttnProcessor()).to(**options).eval()
+    cross_attn = WanAttention(**layer, cross_attention_dim_head=128, processor=WanAttnProcessor())
     cross_attn = cross_attn.to(**options).eval()
     video = torch.randn(1, tokens, 5120, **options)
     text = torch.randn(1, 512, 5120, **options)

@@ -34,10 +34,12 @@
                  out[b, n, h*head_dim + d] = O[b, h, n, d]
        lse     : [batch, out_pitch, num_heads] f32, natural log-sum-exp of
                  each row's scaled logits; null: not written
-       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
-                 keys of the window (clamped to [0, seq_k]), the host having moved a
-                 key-padding mask's kept keys to the front; with none its rows
-                 are 0 and their LSE -inf (as torch's SDPA)
+       key_lens: [batch] i32 or null, read by the FA_KEY_LENS=1 build only
+                 (the =0 build is the kernel without key counts): batch b
+                 attends its first key_lens[b] keys of the window (clamped
+                 to [0, seq_k]), the host having moved a key-padding mask's
+                 kept keys to the front; with none, its rows are 0 and their
+                 LSE -inf (as torch's SDPA gives)
 
    Variants: the host compiles this source once per FA_DMAX (the compile-time
    bound on head_dim that sizes the per-lane register arrays); any head_dim in
@@ -47,6 +49,9 @@
 
 #if !defined(FA_DMAX) || !defined(FA_BQ) || !defined(FA_BK) || !defined(FA_THREADS)
 #error "flash_attn_f32.cu needs -D FA_DMAX, FA_BQ, FA_BK and FA_THREADS from the host"
+#endif
+#if !defined(FA_KEY_LENS)
+#error "flash_attn_f32.cu needs -D FA_KEY_LENS=0 or 1 from the host"
 #endif
 
 #define FA_WARPS 4u
@@ -81,11 +86,13 @@ extern "C" __global__ void joint_attention_flash_f32(
     const unsigned int b = blockIdx.z;
     const unsigned int q0 = blockIdx.x * FA_BQ;
     if (h >= num_heads || q0 >= seq_q) return;
+#if FA_KEY_LENS
     seq_k = pk_batch_keys(key_lens, seq_k);
     if (seq_k == 0) {
         pk_store_keyless_rows<0>(out, lse, FA_BQ, seq_q, num_heads, head_dim, out_pitch);
         return;
     }
+#endif
 
     const unsigned int tid = threadIdx.x;
     const unsigned int lane = tid & 31u;

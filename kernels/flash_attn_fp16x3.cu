@@ -39,10 +39,12 @@
                  (0: f32, 1: bf16, 2: f16), offset by the host to the window's
                  first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
-                 keys of the window (clamped to [0, seq_k]), the host having moved a
-                 key-padding mask's kept keys to the front; with none its rows
-                 are 0 and their LSE -inf (as torch's SDPA)
+       key_lens: [batch] i32 or null, read by the X3_KEY_LENS=1 build only
+                 (the =0 build is the kernel without key counts): batch b
+                 attends its first key_lens[b] keys of the window (clamped
+                 to [0, seq_k]), the host having moved a key-padding mask's
+                 kept keys to the front; with none, its rows are 0 and their
+                 LSE -inf (as torch's SDPA gives)
    Precision: about 2^-22 relative per product term, f32 softmax, IEEE
    accumulation across key tiles; the output rounds once. Needs sm_90a. */
 
@@ -51,6 +53,9 @@
 #if !defined(X3_D) || !defined(X3_OUT_KIND) || !defined(X3_BQ) || !defined(X3_BK) || !defined(X3_STAGES) \
     || !defined(X3_THREADS) || !defined(X3_SMEM_BYTES)
 #error "flash_attn_fp16x3.cu needs -D X3_D, X3_OUT_KIND, X3_BQ, X3_BK, X3_STAGES, X3_THREADS, X3_SMEM_BYTES"
+#endif
+#if !defined(X3_KEY_LENS)
+#error "flash_attn_fp16x3.cu needs -D X3_KEY_LENS=0 or 1 from the host"
 #endif
 #if X3_D != 128
 #error "the fp16x3 kernel is built for head_dim 128 only"
@@ -303,11 +308,13 @@ joint_attention_fp16x3(
 {
     extern __shared__ __align__(1024) unsigned char x3_smem_raw[];
     const x3_smem m = x3_carve(x3_smem_raw);
+#if X3_KEY_LENS
     seq_k = pk_batch_keys(key_lens, seq_k);
     if (seq_k == 0) {
         pk_store_keyless_rows<X3_OUT_KIND>(out, lse, X3_BQ, seq_q, num_heads, X3_D, out_pitch);
         return;
     }
+#endif
     const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 
     if (threadIdx.x == 0) {

@@ -42,10 +42,12 @@
                  keys [0, seq_k) attended
        out     : token-major [batch, out_pitch, num_heads * MH_D], same dtype
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
-                 keys of the window (clamped to [0, seq_k]), the host having moved a
-                 key-padding mask's kept keys to the front; with none its rows
-                 are 0 and their LSE -inf (as torch's SDPA)
+       key_lens: [batch] i32 or null, read by the MH_KEY_LENS=1 build only
+                 (the =0 build is the kernel without key counts): batch b
+                 attends its first key_lens[b] keys of the window (clamped
+                 to [0, seq_k]), the host having moved a key-padding mask's
+                 kept keys to the front; with none, its rows are 0 and their
+                 LSE -inf (as torch's SDPA gives)
    Precision: f32 logits, softmax state and accumulators (exp2 and the final
    1 / l by the ex2.approx / rcp.approx units). P is rounded to the input
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
@@ -56,6 +58,9 @@
 #if !defined(MH_D) || !defined(MH_IN_KIND) || !defined(MH_BQ) || !defined(MH_BK) || !defined(MH_THREADS) \
     || !defined(MH_SMEM_BYTES)
 #error "flash_attn_mma16.cu needs -D MH_D, MH_IN_KIND, MH_BQ, MH_BK, MH_THREADS and MH_SMEM_BYTES from the host"
+#endif
+#if !defined(MH_KEY_LENS)
+#error "flash_attn_mma16.cu needs -D MH_KEY_LENS=0 or 1 from the host"
 #endif
 #if MH_D != 64 && MH_D != 128
 #error "MH_D must be 64 or 128"
@@ -166,15 +171,20 @@ joint_attention_mma16(
     const unsigned int sQ = pk_smem_addr(mh_smem);
     const unsigned int sK = sQ + MH_Q_BYTES;
     const unsigned int sV = sK + MH_KV_BYTES;
-    /* The batch's key count lives in shared memory and is re-read where used:
-       at head_dim 128 every register is taken by the accumulators. */
+#if MH_KEY_LENS
+    /* The batch's key count, in shared memory and re-read where used: at
+       head_dim 128 every register is taken by the accumulators. */
     __shared__ unsigned int mh_keys;
     seq_k = pk_batch_keys(key_lens, seq_k);
     if (seq_k == 0) {
         pk_store_keyless_rows<MH_IN_KIND>(out, lse, MH_BQ, seq_q, num_heads, MH_D, out_pitch);
         return;
     }
-    if (threadIdx.x == 0) mh_keys = seq_k;
+    if (threadIdx.x == 0) mh_keys = seq_k;    /* read after the key loop's first __syncthreads */
+#define MH_KEYS (*(volatile unsigned int*)&mh_keys)
+#else
+#define MH_KEYS seq_k
+#endif
 
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;
@@ -185,7 +195,7 @@ joint_attention_mma16(
     const unsigned int t = lane & 3u;
     const unsigned long long plane = (unsigned long long)b * num_heads + h;
     const unsigned long long kv_off = plane * kv_pitch * MH_D;
-    const unsigned short* kh = k + kv_off;   /* advance one key tile per iteration */
+    const unsigned short* kh = k + kv_off;
     const unsigned short* vh = v + kv_off;
 
     mh_copy_tile<MH_BQ>(sQ, q + (plane * q_pitch + q0) * MH_D, seq_q - q0);
@@ -216,10 +226,12 @@ joint_attention_mma16(
     float m_run[4] = {PK_NEG_INF, PK_NEG_INF, PK_NEG_INF, PK_NEG_INF};  /* max of scale*log2e*s */
     float l_run[4] = {0.f, 0.f, 0.f, 0.f};       /* this thread's part of the running sums */
 
-    for (unsigned int k0 = 0;; k0 += MH_BK) {
+    const unsigned int n_tiles = (seq_k + MH_BK - 1) / MH_BK;
+    for (unsigned int tile = 0; tile < n_tiles; tile++) {
+        const unsigned int k0 = tile * MH_BK;
         pk_cp_async_wait_all();
-        __syncthreads();                  /* this tile's K (and Q) landed; V no longer read; mh_keys set */
-        mh_copy_tile<MH_BK>(sV, vh, *(volatile unsigned int*)&mh_keys - k0);
+        __syncthreads();                  /* K[tile] (and Q) landed; V no longer read */
+        mh_copy_tile<MH_BK>(sV, vh + (unsigned long long)k0 * MH_D, MH_KEYS - k0);
         pk_cp_async_commit();
 
         float s[2][MH_STILES][4];
@@ -241,17 +253,15 @@ joint_attention_mma16(
             }
         }
 
-        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, *(volatile unsigned int*)&mh_keys, t);
+        pk_mask_tail<MH_STILES, 2>(&s[0][0][0], k0, MH_KEYS, t);
         float corr[4];
         pk_online_softmax<MH_STILES, 2, true>(&s[0][0][0], m_run, l_run, corr, scale_log2);
         pk_rescale<MH_OTILES, 2>(&o[0][0][0], corr);
 
         pk_cp_async_wait_all();
-        __syncthreads();                  /* this tile's V landed; K no longer read */
-        const unsigned int keys_after = *(volatile unsigned int*)&mh_keys - k0 - MH_BK;
-        if ((int)keys_after > 0) {
-            kh += MH_BK * MH_D;
-            mh_copy_tile<MH_BK>(sK, kh, keys_after);
+        __syncthreads();                  /* V[tile] landed; K no longer read */
+        if (tile + 1 < n_tiles) {
+            mh_copy_tile<MH_BK>(sK, kh + (unsigned long long)(k0 + MH_BK) * MH_D, MH_KEYS - k0 - MH_BK);
             pk_cp_async_commit();
         }
 
@@ -272,8 +282,6 @@ joint_attention_mma16(
                 mh_mma_2x2(o, 2 * p, pa, bv);
             }
         }
-        if (k0 + MH_BK >= *(volatile unsigned int*)&mh_keys) break;
-        vh += MH_BK * MH_D;
     }
 
     #pragma unroll

@@ -41,10 +41,12 @@
        out     : token-major [batch, out_pitch, num_heads * FT_D]; f32, or the
                  16-bit bit patterns of bf16 / f16 (FT_OUT_KIND 1 / 2)
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
-                 keys of the window (clamped to [0, seq_k]), the host having moved a
-                 key-padding mask's kept keys to the front; with none its rows
-                 are 0 and their LSE -inf (as torch's SDPA)
+       key_lens: [batch] i32 or null, read by the FT_KEY_LENS=1 build only
+                 (the =0 build is the kernel without key counts): batch b
+                 attends its first key_lens[b] keys of the window (clamped
+                 to [0, seq_k]), the host having moved a key-padding mask's
+                 kept keys to the front; with none, its rows are 0 and their
+                 LSE -inf (as torch's SDPA gives)
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
@@ -53,6 +55,9 @@
 #if !defined(FT_D) || !defined(FT_OUT_KIND) || !defined(FT_BQ) || !defined(FT_BK) || !defined(FT_THREADS) \
     || !defined(FT_SMEM_BYTES)
 #error "flash_attn_tf32x3.cu needs -D FT_D, FT_OUT_KIND, FT_BQ, FT_BK, FT_THREADS and FT_SMEM_BYTES from the host"
+#endif
+#if !defined(FT_KEY_LENS)
+#error "flash_attn_tf32x3.cu needs -D FT_KEY_LENS=0 or 1 from the host"
 #endif
 #if FT_D % 32 != 0 || FT_D > 128
 #error "FT_D must be 32, 64, 96 or 128"
@@ -165,15 +170,20 @@ joint_attention_tf32x3(
     uint2* Ks = Qs + FT_BQ * FT_LDQ;
     uint2* Vs = Ks + FT_BK * FT_LDK;
     float* V_raw = (float*)(Vs + FT_BK * FT_LDV);
-    /* The batch's key count lives in shared memory and is re-read where used:
-       at head_dim 128 every register is taken by the accumulators. */
+#if FT_KEY_LENS
+    /* The batch's key count, in shared memory and re-read where used: at
+       head_dim 128 every register is taken by the accumulators. */
     __shared__ unsigned int ft_keys;
     seq_k = pk_batch_keys(key_lens, seq_k);
     if (seq_k == 0) {
         pk_store_keyless_rows<FT_OUT_KIND>(out, lse, FT_BQ, seq_q, num_heads, FT_D, out_pitch);
         return;
     }
-    if (threadIdx.x == 0) ft_keys = seq_k;
+    if (threadIdx.x == 0) ft_keys = seq_k;    /* read after the key loop's first __syncthreads */
+#define FT_KEYS (*(volatile unsigned int*)&ft_keys)
+#else
+#define FT_KEYS seq_k
+#endif
 
     const unsigned int h = blockIdx.y;
     const unsigned int b = blockIdx.z;
@@ -202,8 +212,10 @@ joint_attention_tf32x3(
     float l_run[2] = {0.f, 0.f};                 /* this thread's part of the running sums */
     const uint2* Qw = Qs + warp * 16 * FT_LDQ;
 
-    for (unsigned int k0 = 0;; k0 += FT_BK) {
-        __syncthreads();                  /* also publishes ft_keys */
+    const unsigned int n_tiles = (seq_k + FT_BK - 1) / FT_BK;
+    for (unsigned int tile = 0; tile < n_tiles; tile++) {
+        const unsigned int k0 = tile * FT_BK;
+        __syncthreads();
         pk_cp_async_wait_all();
         #pragma unroll
         for (int i = 0; i < FT_F4_PER_THREAD; i++) {
@@ -212,9 +224,9 @@ joint_attention_tf32x3(
             ft_store_split4(Vs, FT_LDV, idx, *(const float4*)(V_raw + idx * 4));
         }
         __syncthreads();
-        if (k0 + FT_BK < *(volatile unsigned int*)&ft_keys) {
-            ft_load_tile(k4, k0 + FT_BK, *(volatile unsigned int*)&ft_keys, k_next);
-            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, *(volatile unsigned int*)&ft_keys);
+        if (tile + 1 < n_tiles) {
+            ft_load_tile(k4, k0 + FT_BK, FT_KEYS, k_next);
+            ft_copy_tile_async(V_raw, v4, k0 + FT_BK, FT_KEYS);
         }
 
         /* hi.hi products and the two cross terms accumulate apart: tensor-core
@@ -243,7 +255,7 @@ joint_attention_tf32x3(
             for (int c = 0; c < 4; c++) s[n][c] += s_cross[n][c];
         }
 
-        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, *(volatile unsigned int*)&ft_keys, t);
+        pk_mask_tail<FT_NTILES_S>(&s[0][0], k0, FT_KEYS, t);
         float corr[2];
         pk_online_softmax<FT_NTILES_S, 1, false>(&s[0][0], m_run, l_run, corr, scale_log2);
         /* O = O * corr + P V. Each chunk of FT_PV_CHUNK output tiles sums this
@@ -271,7 +283,6 @@ joint_attention_tf32x3(
                 }
             }
         }
-        if (k0 + FT_BK >= *(volatile unsigned int*)&ft_keys) break;
     }
 
     #pragma unroll

@@ -41,10 +41,12 @@
        out     : token-major [batch, out_pitch, num_heads * 128], same dtype,
                  offset by the host to the window's first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null: batch b attends the first key_lens[b]
-                 keys of the window (clamped to [0, seq_k]), the host having moved a
-                 key-padding mask's kept keys to the front; with none its rows
-                 are 0 and their LSE -inf (as torch's SDPA)
+       key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only
+                 (the =0 build is the kernel without key counts): batch b
+                 attends its first key_lens[b] keys of the window (clamped
+                 to [0, seq_k]), the host having moved a key-padding mask's
+                 kept keys to the front; with none, its rows are 0 and their
+                 LSE -inf (as torch's SDPA gives)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
@@ -54,6 +56,9 @@
 #if !defined(WG_D) || !defined(WG_IN_KIND) || !defined(WG_BQ) || !defined(WG_BK) || !defined(WG_STAGES) \
     || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)
 #error "flash_attn_wgmma.cu needs -D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS, WG_SMEM_BYTES from the host"
+#endif
+#if !defined(WG_KEY_LENS)
+#error "flash_attn_wgmma.cu needs -D WG_KEY_LENS=0 or 1 from the host"
 #endif
 #if WG_D != 128
 #error "the wgmma kernel is built for head_dim 128 only"
@@ -255,11 +260,13 @@ joint_attention_wgmma(
 {
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     const wg_smem m = wg_carve(wg_smem_raw);
+#if WG_KEY_LENS
     seq_k = pk_batch_keys(key_lens, seq_k);
     if (seq_k == 0) {
         pk_store_keyless_rows<WG_IN_KIND>(out, lse, WG_BQ, seq_q, num_heads, WG_D, out_pitch);
         return;
     }
+#endif
     const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
 
     if (threadIdx.x == 0) {

@@ -35,15 +35,17 @@ _lock = threading.Lock()
 
 
 def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int,
-            aligned: bool) -> Selection:  # fmt: skip
-    """The selection for these inputs on this device, memoised; "auto" skips (and warns once
-    about) a kernel that cannot be built or loaded here."""
-    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned)
+            aligned: bool, key_lens: bool = False) -> Selection:  # fmt: skip
+    """The selection for these inputs on this device (`key_lens`: with per-batch key counts), memoised;
+    "auto" skips (and warns once about) a kernel that cannot be built or loaded here."""
+    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens)
     selection = _resolved.get(key)
     if selection is not None:
         return selection
     capability, shared_limit = runtime.device_facts(device_index)
-    problem = Problem(DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned)
+    problem = Problem(
+        DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens
+    )
     with _lock:
         disabled = _disabled.setdefault(device_index, {})
         while True:
@@ -131,7 +133,7 @@ def attention_cuda(
     q_at = window.q_start * head_dim * query.element_size()
     k_at = window.k_start * head_dim * key.element_size()
     aligned = not (query.data_ptr() + q_at | key.data_ptr() + k_at | value.data_ptr() + k_at) % 16
-    selection = resolve(kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned)
+    selection = resolve(kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None)
     if selection.upcast:
         query, key, value = query.float(), key.float(), value.float()
     variant = selection.variant

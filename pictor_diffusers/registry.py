@@ -227,26 +227,35 @@ def kernels_for(in_dtype: str) -> tuple[str, ...]:
     return ("auto", *(spec.name for spec in KERNELS if spec.family == family_of(in_dtype)))
 
 
+ATTENTION_FAMILIES = ("fp32", "16bit")
+
+
 @dataclass(frozen=True)
 class Variant:
-    """One compiled flavour of a row: the spec at one head_dim and in/out dtypes."""
+    """One compiled flavour of a row: the spec at one head_dim and in/out dtypes; for the attention rows,
+    with or without per-batch key counts (`key_lens`: `-D{prefix}KEY_LENS=1`; without, the kernel's code
+    is what it was before key counts existed, and its key_lens argument is ignored)."""
 
     spec: KernelSpec
     head_dim: int
     in_dtype: str
     out_dtype: str
+    key_lens: bool = False
 
     @functools.cached_property
     def name(self) -> str:
-        return f"{self.spec.name}_d{self.head_dim}_{self.in_dtype}_to_{self.out_dtype}"
+        suffix = "_keylens" if self.key_lens else ""
+        return f"{self.spec.name}_d{self.head_dim}_{self.in_dtype}_to_{self.out_dtype}{suffix}"
 
     def defines(self) -> tuple[tuple[str, str], ...]:
-        """Every `-D` the source requires: head_dim, dtype kinds, geometry, shared bytes."""
+        """Every `-D` the source requires: head_dim, dtype kinds, key counts, geometry, shared bytes."""
         spec = self.spec
         name, suffix = spec.head_define
         values = {name: f"{self.head_dim}{suffix}"}
         kinds = {"IN_KIND": KINDS[self.in_dtype], "OUT_KIND": KINDS[self.out_dtype]}
         values.update((kind, str(kinds[kind])) for kind in spec.kinds)
+        if spec.family in ATTENTION_FAMILIES:
+            values["KEY_LENS"] = str(int(self.key_lens))
         if spec.smem_define:
             values["SMEM_BYTES"] = str(spec.shared_bytes(self.head_dim))
         values.update(spec.geometry)
@@ -264,17 +273,19 @@ class Variant:
         return (-(-seq // self.spec.rows_per_block), heads, batch)
 
 
-def variant_for(spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
+def variant_for(spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False) -> Variant:
     """The build of `spec` that computes `head_dim` (the scalar kernel rounds it up)."""
     if spec.name == "f32":
         head_dim = next(d for d in F32_BUILD_HEAD_DIMS if head_dim <= d)
-    return Variant(spec, head_dim, in_dtype, out_dtype)
+    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens)
 
 
 def variants(spec: KernelSpec) -> tuple[Variant, ...]:
-    """Every build of an attention row: head_dims x input dtypes x output dtypes it writes."""
+    """Every build of an attention row: head_dims x input dtypes x output dtypes it writes x without and
+    with key counts."""
     head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
-    return tuple(Variant(spec, d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i))
+    builds = [(d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i)]
+    return tuple(Variant(spec, *build, key_lens) for key_lens in (False, True) for build in builds)
 
 
 @dataclass(frozen=True)
@@ -282,6 +293,7 @@ class Problem:
     """The facts that decide which kernel runs: inputs and device, no tensors.
 
     `aligned`: q, k and v start on 16-byte boundaries (tensor cores read 16-byte vectors).
+    `key_lens`: the call gives per-batch key counts (the kernels' key-count builds run it).
     """
 
     in_dtype: str
@@ -290,6 +302,7 @@ class Problem:
     capability: tuple[int, int]
     shared_limit: int
     aligned: bool = True
+    key_lens: bool = False
 
 
 @dataclass(frozen=True)
@@ -357,7 +370,7 @@ def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str,
         if reason is None:
             writes = spec.writes(in_dtype)
             out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
-            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype)
+            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens)
             return Selection(variant, upcast, tuple(rejected))
         rejected.append((spec.name + (" (upcast)" if upcast else ""), reason))
     reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)

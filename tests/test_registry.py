@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -148,6 +149,8 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
         if spec.smem_define:
             assert int(defines[prefix + "SMEM_BYTES"]) == spec.shared_bytes(variant.head_dim)
         assert len(set(variant.options())) == len(variant.options())
+        assert defines[prefix + "KEY_LENS"] == str(int(variant.key_lens))
+    assert {v.key_lens for v in variants(spec)} == {False, True}
     names = [v.name for v in variants(spec)]
     assert len(set(names)) == len(names)
 
@@ -159,3 +162,12 @@ def test_compile_flags_match_the_pre_registry_builds() -> None:
     for spec in KERNELS:
         assert spec.flags == (() if spec.name in ("wgmma", "fp16x3") else ("-ftz=true",)), spec.name
         assert all(option in variants(spec)[0].options() for option in spec.flags)
+
+
+@pytest.mark.parametrize(("given", "expected"), CASES, ids=[str(i) for i in range(len(CASES))])
+def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, expected: tuple) -> None:
+    in_dtype, out_dtype, head_dim, device, aligned = given
+    plain = select_kernel(problem(in_dtype, head_dim, device, out_dtype, aligned))
+    counted = select_kernel(replace(problem(in_dtype, head_dim, device, out_dtype, aligned), key_lens=True))
+    assert not plain.variant.key_lens and counted.variant.key_lens
+    assert replace(counted.variant, key_lens=False) == plain.variant and counted.upcast == plain.upcast
