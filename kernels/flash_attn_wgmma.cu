@@ -1,8 +1,9 @@
 /* flash_attn_wgmma.cu: bf16/fp16 joint attention on Hopper tensor cores (pictor-diffusers).
 
-   Algorithm: flash-attention forward, non-causal, per-batch key lengths (key
-   padding), online softmax in the exp2 domain (scale * log2(e) folded into
-   one FFMA), f32 accumulators and f32 softmax state. Warp-specialised, after FlashAttention-3:
+   Algorithm: flash-attention forward, non-causal (key padding in the
+   WG_KEY_LENS=1 build), online softmax in the exp2 domain (scale * log2(e)
+   folded into one FFMA), f32 accumulators and f32 softmax state.
+   Warp-specialised, after FlashAttention-3:
      * warpgroup 0 is the producer: it first gives up most of its registers
        (setmaxnreg) to the consumers, then one thread issues bulk tensor
        copies (TMA) of the Q tile once and of K/V tiles into a WG_STAGES-deep
