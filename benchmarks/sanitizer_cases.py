@@ -61,6 +61,10 @@ def run_16bit(shape: tuple[int, ...], kernels: list[str], dtypes: list[torch.dty
             rel = ((out - ref).norm() / ref.norm()).item()
             print(f"{shape} kernel={kernel} {dtype}: rel_l2 {rel:.2e} max_abs {(out - ref).abs().max().item():.2e}")
             ok &= rel <= torch.finfo(dtype).eps and bool(torch.isfinite(out).all())
+            token_major = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+            same = torch.equal(attention(*token_major, kernel=kernel).double(), out)
+            print(f"{shape} kernel={kernel} {dtype} token-major views: {'same' if same else 'DIFFERENT'}")
+            ok &= same
     return ok
 
 

@@ -314,15 +314,17 @@ __device__ __forceinline__ void pk_bar_wait(unsigned int bar, unsigned int parit
     } while (!done);
 }
 
-/* Copy the box at (column, row, plane) of a rank-3 map into shared memory at dst,
-   completing on `bar` (which must expect the box's bytes). */
-__device__ __forceinline__ void pk_copy_box(unsigned int dst, const pk_tensor_map* map, int column, int row,
-                                            int plane, unsigned int bar)
+/* Copy the box at (column, head, row, batch) of a rank-4 map (dims head_dim, heads,
+   rows, batches, strided as the host encoded them: head-major or token-major) into
+   shared memory at dst, completing on `bar` (which must expect the box's bytes). */
+__device__ __forceinline__ void pk_copy_box(unsigned int dst, const pk_tensor_map* map, int column, int head, int row,
+                                            int batch, unsigned int bar)
 {
     asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-        "[%0], [%1, {%2, %3, %4}], [%5];"
-        :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(row), "r"(plane), "r"(bar) : "memory");
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4, %5}], [%6];"
+        :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(head), "r"(row), "r"(batch), "r"(bar)
+        : "memory");
 }
 
 /* One arrival on `bar` for the calling warp (lane 0 arrives). */

@@ -32,8 +32,8 @@
    Layout:
        planes  : float16 from the split, [2][batch * num_heads][rows][128]
                  per tensor (rows: seq_q for q, seq_k for k and v), as three
-                 rank-3 tensor maps (dims 128, rows, 2 * batch * num_heads, hi
-                 planes first; box 64 x 64 x 1)
+                 rank-4 tensor maps (dims 128, 2 * batch * num_heads planes, hi
+                 planes first, rows, 1; box 64 x 1 x 64 x 1)
        colmax  : [3][batch * num_heads][128] u32 from the split (the scales)
        out     : token-major [batch, out_pitch, num_heads * 128] in X3_OUT_KIND
                  (0: f32, 1: bf16, 2: f16), offset by the host to the window's
@@ -130,7 +130,7 @@ __device__ __forceinline__ void x3_copy_planes(unsigned int dst, unsigned int pl
             #pragma unroll
             for (int slab = 0; slab < 2; slab++) {
                 pk_copy_box(dst + plane * plane_bytes + slab * (plane_bytes / 2) + box * X3_KV_SLAB, map, slab * 64,
-                            row + 64 * (int)box, plane ? lo_plane : hi_plane, bar);
+                            plane ? lo_plane : hi_plane, row + 64 * (int)box, 0, bar);
             }
         }
     }

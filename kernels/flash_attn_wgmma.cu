@@ -33,12 +33,14 @@
                    (MN-major descriptor: the 64-column slabs are LBO apart).
 
    Layout:
-       q, k, v : head-major 16-bit planes [batch * num_heads][pitch][128],
-                 described by three rank-3 tensor maps of a window of rows
-                 (dims 128, seq_q or seq_k, batch * num_heads; the plane
-                 stride is the full tensor's; box 64 x 128 x 1; 128-byte
-                 swizzle); rows past the window are zero-filled by the copy
-                 engine, and keys >= seq_k masked
+       q, k, v : 16-bit [batch][num_heads][rows][128] with any strides the
+                 host can encode (each a multiple of 16 bytes, head_dim
+                 contiguous): head-major [B, H, N, D] or the token-major
+                 [B, N, H, D] diffusers' dispatcher passes, read in place.
+                 Three rank-4 tensor maps of a window of rows (dims 128,
+                 num_heads, seq_q or seq_k, batch; box 64 x 1 x 128 x 1;
+                 128-byte swizzle); rows past the window are zero-filled by
+                 the copy engine, and keys >= seq_k masked
        out     : token-major [batch, out_pitch, num_heads * 128], same dtype,
                  offset by the host to the window's first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
@@ -87,11 +89,11 @@ static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 Ki
 
 /* Both slabs of a 128 x 128 tile, completing on `bar`. */
 __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_map* map, int row, int head,
-                                             unsigned int bar)
+                                             int batch, unsigned int bar)
 {
     pk_bar_expect_bytes(bar, WG_TILE_BYTES);
-    pk_copy_box(dst, map, 0, row, head, bar);
-    pk_copy_box(dst + WG_SLAB_BYTES, map, 64, row, head, bar);
+    pk_copy_box(dst, map, 0, head, row, batch, bar);
+    pk_copy_box(dst + WG_SLAB_BYTES, map, 64, head, row, batch, bar);
 }
 
 /* ---- wgmma ---- */
@@ -160,15 +162,16 @@ __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 }
 
 __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
-                                           const pk_tensor_map* tm_v, int head, int q0, unsigned int n_tiles)
+                                           const pk_tensor_map* tm_v, int head, int batch, int q0,
+                                           unsigned int n_tiles)
 {
-    wg_copy_tile(m.q(), tm_q, q0, head, m.q_full());
+    wg_copy_tile(m.q(), tm_q, q0, head, batch, m.q_full());
     for (unsigned int j = 0; j < n_tiles; j++) {
         const unsigned int s = j % WG_STAGES, parity = (j / WG_STAGES - 1) & 1;
         if (j >= WG_STAGES) pk_bar_wait(m.k_free(s), parity);
-        wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, m.k_full(s));
+        wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, batch, m.k_full(s));
         if (j >= WG_STAGES) pk_bar_wait(m.v_free(s), parity);
-        wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, m.v_full(s));
+        wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, batch, m.v_full(s));
     }
 }
 
@@ -286,8 +289,7 @@ joint_attention_wgmma(
     if (threadIdx.x < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
         if (threadIdx.x == 0) {
-            const int head = (int)(blockIdx.z * num_heads + blockIdx.y);
-            wg_produce(m, &tm_q, &tm_k, &tm_v, head, (int)(blockIdx.x * WG_BQ), n_tiles);
+            wg_produce(m, &tm_q, &tm_k, &tm_v, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * WG_BQ), n_tiles);
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");

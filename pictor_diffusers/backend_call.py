@@ -1,8 +1,9 @@
 """The function diffusers' attention dispatcher calls for a pictor backend ("pictor", "pictor_bf16", ...).
 
-The dispatcher hands q `[B, Nq, H, D]`, k and v `[B, Nk, H, D]`, token-major. Served calls copy each once
-to head-major contiguous `[B, H, N, D]` in the compute dtype (the kernels read that layout) and return the
-kernel's token-major `[B, Nq, H*D]` output as a `[B, Nq, H, D]` view, without a copy; with
+The dispatcher hands q `[B, Nq, H, D]`, k and v `[B, Nk, H, D]`, token-major. Served calls pass them on
+as `[B, H, N, D]` views: the Hopper 16-bit kernel reads them in place through its tensor maps; for the
+other kernels, or another compute dtype, each is copied once to head-major contiguous. The kernel's
+token-major `[B, Nq, H*D]` output is returned as a `[B, Nq, H, D]` view, without a copy; with
 `return_lse=True` also the log-sum-exp, `[B, Nq, H]` float32 (natural log).
 
 Served: non-causal attention without dropout, any Nq and Nk (Wan's text cross-attention), equal
@@ -113,10 +114,11 @@ def _profiling() -> bool:
 
 
 def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[B, N, H, D]` -> contiguous `[B, H, N, D]` in `dtype`, in one copy (none if already laid out so)."""
+    """`[B, N, H, D]` -> `[B, H, N, D]` in `dtype`: a view when the dtype is already `dtype` (the Hopper
+    kernel reads it in place; `attention` copies it for the others), else one cast to contiguous."""
     tensor = tensor.transpose(1, 2)
     if tensor.dtype == dtype:
-        return tensor.contiguous()
+        return tensor
     return tensor.to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
@@ -127,8 +129,9 @@ def _serve(
     """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a key-padding `attn_mask`, see `key_padding`) -> pictor
     attention -> `[B, Nq, H, D]` in the inputs' dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
-    One copy in per tensor (head-major contiguous in `compute`; with a mask, k and v gathered kept keys
-    first), none out: the kernel writes token-major `[B, Nq, H*D]`, returned as a view.
+    No copy in where the kernel reads token-major q/k/v in place (the Hopper 16-bit kernel, inputs in
+    `compute`), else one per tensor (head-major contiguous in `compute`); with a mask, k and v are
+    gathered kept keys first. None out: the kernel writes token-major `[B, Nq, H*D]`, returned as a view.
     """
     batch, seq, heads, head_dim = query.shape
     dtype = query.dtype

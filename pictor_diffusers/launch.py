@@ -117,7 +117,9 @@ def attention_cuda(
     """Attention of validated CUDA inputs, token-major `[B, Nq, H*D]` in `out_dtype`.
 
     Args:
-        query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]` (contiguous, one dtype).
+        query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]` (one dtype, any strides: kernels that
+            read through tensor maps take them in place when TMA can, e.g. token-major views; the
+            others get contiguous copies).
         kernel: "auto" or a registry name of the inputs' family.
         out: the destination, contiguous `[B, Nq, H*D]` `out_dtype`, 16-byte aligned;
             required with a window.
@@ -130,13 +132,16 @@ def attention_cuda(
     """
     batch, heads, seq_q, head_dim = query.shape
     window = full_window(query, key) if window is None else window
-    q_at = window.q_start * head_dim * query.element_size()
-    k_at = window.k_start * head_dim * key.element_size()
-    aligned = not (query.data_ptr() + q_at | key.data_ptr() + k_at | value.data_ptr() + k_at) % 16
+    query, key, value = (_in_place_or_copy(t) for t in (query, key, value))
+    q_at = window.q_start * query.stride(2) * query.element_size()
+    k_at, v_at = (window.k_start * t.stride(2) * t.element_size() for t in (key, value))
+    aligned = not (query.data_ptr() + q_at | key.data_ptr() + k_at | value.data_ptr() + v_at) % 16
     selection = resolve(kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None)
-    if selection.upcast:
-        query, key, value = query.float(), key.float(), value.float()
     variant = selection.variant
+    if selection.upcast:
+        query, key, value = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key, value))
+    elif variant.spec.operands != "tensor_maps":
+        query, key, value = (t.contiguous() for t in (query, key, value))
     written = DTYPES[variant.out_dtype]
     shape = (batch, seq_q, heads * head_dim)
     result = output(out if written == out_dtype else None, shape, written, query.device)
@@ -148,6 +153,11 @@ def attention_cuda(
     rows = slice(window.q_start, window.q_stop)
     output(out, shape, out_dtype, query.device)[:, rows].copy_(result[:, rows])
     return out
+
+
+def _in_place_or_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` if contiguous or readable by TMA in place (the tensor-map kernels), else a contiguous copy."""
+    return tensor if tensor.is_contiguous() or tensor_maps.readable(tensor) else tensor.contiguous()
 
 
 def launch_attention(
@@ -166,11 +176,11 @@ def launch_attention(
     spec = variant.spec
     batch, heads, seq_q, head_dim = query.shape
     q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
-    row_bytes = head_dim * query.element_size()
+    size = query.element_size()
     pointers = (
-        query.data_ptr() + window.q_start * row_bytes,
-        key.data_ptr() + window.k_start * row_bytes,
-        value.data_ptr() + window.k_start * row_bytes,
+        query.data_ptr() + window.q_start * query.stride(2) * size,
+        key.data_ptr() + window.k_start * key.stride(2) * size,
+        value.data_ptr() + window.k_start * value.stride(2) * size,
         out.data_ptr() + window.q_start * heads * head_dim * out.element_size(),
         0 if lse is None else lse.data_ptr() + window.q_start * heads * 4,
         0 if key_lens is None else key_lens.data_ptr(),
@@ -180,7 +190,12 @@ def launch_attention(
         "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": key.shape[2],
         "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
     }  # fmt: skip
-    operands, kinds, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
+    if spec.operands == "tensor_maps":
+        rows = ((query, window.q_start, window.q_stop), *((t, window.k_start, window.k_stop) for t in (key, value)))
+        maps = [tensor_maps.map_at(tensor_maps.rows_of(*at), head_dim, query.dtype) for at in rows]
+        operands, kinds, _keep = _with_maps(maps, pointers[3:]), _MAP_KINDS, maps
+    else:
+        operands, kinds, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
     runtime.launch(
         runtime.function(variant, query.device.index),
         query.device.index,
@@ -207,32 +222,37 @@ class Geometry(NamedTuple):
 def _operands(
     kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], object]:
-    """(operand values, their ctypes kinds, what must stay referenced until the launch) of a row's
-    operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs the
-    split prepass first."""
+    """(operand values, their ctypes kinds, what must stay referenced until the launch) of a
+    contiguous-input row's operand kind, from the window's (q, k, v, out, lse, key_lens) addresses;
+    "split_planes" runs the split prepass first."""
     if kind == "pointers":
         return pointers, (_U64,) * 6, None
     g = geometry
-    if kind == "tensor_maps":
-        maps = [
-            tensor_maps.map_at(pointers[0], g.planes, g.q_count, g.q_pitch, g.head_dim, g.dtype),
-            tensor_maps.map_at(pointers[1], g.planes, g.k_count, g.kv_pitch, g.head_dim, g.dtype),
-            tensor_maps.map_at(pointers[2], g.planes, g.k_count, g.kv_pitch, g.head_dim, g.dtype),
-        ]
-        return (*(address for _, address in maps), *pointers[3:]), (None, None, None, _U64, _U64, _U64), maps
     planes, colmax = split_planes(pointers[:3], geometry, device_index)
     base, half = planes.data_ptr(), 2
     q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
     k_bytes = 2 * g.planes * g.k_count * g.head_dim * half
     maps = [
-        tensor_maps.map_at(base, 2 * g.planes, g.q_count, g.q_count, g.head_dim, torch.float16, _SPLIT_BOX_ROWS),
-        tensor_maps.map_at(base + q_bytes, 2 * g.planes, g.k_count, g.k_count, g.head_dim, torch.float16,
-                           _SPLIT_BOX_ROWS),
-        tensor_maps.map_at(base + q_bytes + k_bytes, 2 * g.planes, g.k_count, g.k_count, g.head_dim,
-                           torch.float16, _SPLIT_BOX_ROWS),
+        tensor_maps.map_at(_split_plane_rows(address, g.planes, count, g.head_dim), g.head_dim, torch.float16,
+                           _SPLIT_BOX_ROWS)
+        for address, count in ((base, g.q_count), (base + q_bytes, g.k_count), (base + q_bytes + k_bytes, g.k_count))
     ]  # fmt: skip
-    operands = (*(address for _, address in maps), *pointers[3:], colmax.data_ptr())
-    return operands, (None, None, None, _U64, _U64, _U64, _U64), (maps, planes, colmax)
+    operands = (*_with_maps(maps, pointers[3:]), colmax.data_ptr())
+    return operands, (*_MAP_KINDS, _U64), (maps, planes, colmax)
+
+
+_MAP_KINDS = (None, None, None, _U64, _U64, _U64)
+
+
+def _with_maps(maps: list[tuple[ctypes.Array, int]], pointers: tuple[int, ...]) -> tuple[int, ...]:
+    """The three maps' addresses (passed by value: `runtime.launch` copies their bytes), then `pointers`."""
+    return (*(address for _, address in maps), *pointers)
+
+
+def _split_plane_rows(address: int, planes: int, rows: int, head_dim: int) -> tensor_maps.Planes:
+    """The split's hi then lo planes of one tensor, `[2 * planes, rows, head_dim]` float16 at `address`,
+    as `2 * planes` heads of one batch."""
+    return tensor_maps.Planes(address, 2 * planes, rows, 1, rows * head_dim, head_dim, 2 * planes * rows * head_dim)
 
 
 _SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5

@@ -160,8 +160,11 @@ def attention(
     """Non-causal scaled-dot-product attention (inference only), with optional per-batch key counts.
 
     Args:
-        query: head-major `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; contiguous,
-            one dtype, all on one device. 1 <= D <= 384; any Nq, Nk >= 1.
+        query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; one dtype, all on one
+            device. 1 <= D <= 384; any Nq, Nk >= 1. Any strides: the Hopper 16-bit
+            kernel ("wgmma") reads head-major tensors and token-major views
+            (`x.transpose(1, 2)` of `[B, N, H, D]`) in place; other kernels and
+            layouts get a contiguous copy first.
         scale: logit scale, finite and > 0; defaults to `D ** -0.5`.
         out_dtype: float32 inputs: float32 (default), bfloat16 or float16, the
             f32 result rounded once. 16-bit inputs: None or the input dtype.

@@ -1,10 +1,11 @@
-"""TMA tensor maps (`CUtensorMap`) of head-major 16-bit tensors, for the Hopper kernels.
+"""TMA tensor maps (`CUtensorMap`) of strided `[B, H, N, D]` 16-bit tensors, for the Hopper kernels.
 
 A map is 128 opaque bytes encoded by the driver (`cuTensorMapEncodeTiled`,
 through ctypes) that the kernel takes by value (`__grid_constant__`). A map
 holds only an address, a shape and strides, so it stays valid for whatever
-tensor later lives at that address: maps are memoised by (address, planes,
-rows, pitch, head_dim, dtype, box rows) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
+tensor later lives at that address: maps are memoised by (address, extents,
+strides, head_dim, dtype, box rows) in a cache bounded at `CACHE_SIZE` entries, the oldest evicted first.
+Head-major `[B, H, N, D]` and token-major `[B, N, H, D]` (as a `[B, H, N, D]` view) differ only in strides.
 """
 
 from __future__ import annotations
@@ -13,16 +14,32 @@ import ctypes
 import functools
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
 BOX_COLUMNS, BOX_ROWS = 64, 128
-"""One copy: 64 head_dim columns (128 bytes, the swizzle span) x 128 rows (by default) x 1 head."""
+"""One copy: 64 head_dim columns (128 bytes, the swizzle span) x 1 head x 128 rows (by default) x 1 batch."""
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 CACHE_SIZE = 256
 
-_maps: OrderedDict[tuple[int, int, int, int, int, torch.dtype, int], tuple[ctypes.Array, int]] = OrderedDict()
+
+class Planes(NamedTuple):
+    """Where a window of rows of a strided `[B, H, N, D]` 16-bit tensor lies: its first row's address
+    (16-byte aligned), the extents and the strides of heads, rows and batches, in elements (each a
+    multiple of 8, i.e. of 16 bytes; D is contiguous)."""
+
+    pointer: int
+    heads: int
+    rows: int
+    batches: int
+    head_stride: int
+    row_stride: int
+    batch_stride: int
+
+
+_maps: OrderedDict[tuple[Planes, int, torch.dtype, int], tuple[ctypes.Array, int]] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -44,50 +61,63 @@ def check_driver() -> None:
     _driver()
 
 
-def _encode(
-    pointer: int, planes: int, rows: int, pitch: int, head_dim: int, dtype: torch.dtype, box_rows: int
-) -> tuple[ctypes.Array, int]:
-    """Map of `planes` head-major 16-bit planes of `rows` x `head_dim`, `pitch` rows apart, as
-    rank 3 (head_dim, rows, planes).
+def _encode(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int) -> tuple[ctypes.Array, int]:
+    """Map of `planes` as rank 4 (head_dim, heads, rows, batches), box 64 x 1 x `box_rows` x 1.
 
-    128-byte swizzle; reads past `rows` (or past the last plane) are zero-filled by
-    the copy engine. Returns (owning buffer, 64-byte-aligned map address).
+    128-byte swizzle; reads past `rows` are zero-filled by the copy engine.
+    Returns (owning buffer, 64-byte-aligned map address).
     """
     buffer = ctypes.create_string_buffer(128 + 64)
     address = (ctypes.addressof(buffer) + 63) & ~63
-    dims = (ctypes.c_uint64 * 3)(head_dim, rows, planes)
-    strides = (ctypes.c_uint64 * 2)(head_dim * 2, pitch * head_dim * 2)
-    box = (ctypes.c_uint32 * 3)(BOX_COLUMNS, box_rows, 1)
-    unit = (ctypes.c_uint32 * 3)(1, 1, 1)
+    dims = (ctypes.c_uint64 * 4)(head_dim, planes.heads, planes.rows, planes.batches)
+    strides = (ctypes.c_uint64 * 3)(2 * planes.head_stride, 2 * planes.row_stride, 2 * planes.batch_stride)
+    box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, 1, box_rows, 1)
+    unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     status = _driver().cuTensorMapEncodeTiled(
-        address, _DTYPES[dtype], 3, pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0
+        address, _DTYPES[dtype], 4, planes.pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0
     )
     if status != 0:
-        raise RuntimeError(
-            f"cuTensorMapEncodeTiled failed with CUresult {status} for {planes} {dtype} planes of "
-            f"{rows} x {head_dim} ({pitch} rows apart) at {pointer:#x}"
-        )
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {dtype} {planes}")
     return buffer, address
 
 
 def tensor_map(tensor: torch.Tensor, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:
-    """(owning buffer, address) of the map of a contiguous 16-bit `[B, H, N, D]` CUDA tensor,
-    copied in boxes of 64 columns x `box_rows` rows.
+    """(owning buffer, address) of the map of a 16-bit `[B, H, N, D]` CUDA tensor (any strides
+    `readable` accepts), copied in boxes of 64 columns x `box_rows` rows.
 
     The caller keeps the buffer referenced until the launch has been issued
     (the launch copies the map's bytes).
     """
-    batch, heads, seq, head_dim = tensor.shape
-    return map_at(tensor.data_ptr(), batch * heads, seq, seq, head_dim, tensor.dtype, box_rows)
+    return map_at(rows_of(tensor, 0, tensor.shape[2]), tensor.shape[3], tensor.dtype, box_rows)
 
 
-def map_at(
-    pointer: int, planes: int, rows: int, pitch: int, head_dim: int, dtype: torch.dtype, box_rows: int = BOX_ROWS
-) -> tuple[ctypes.Array, int]:
-    """`tensor_map` of `rows` rows of each of `planes` head-major planes whose first row is at device
-    address `pointer` (16-byte aligned) and which lie `pitch` rows apart: a window of rows of a
-    `[B, H, pitch, D]` tensor, with no view needed."""
-    key = (pointer, planes, rows, pitch, head_dim, dtype, box_rows)
+def _strides(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, head and row strides of a `[B, H, N, D]` tensor, a dimension of extent 1 given stride 8
+    (torch gives such dimensions arbitrary strides; the copy engine never steps along them)."""
+    pairs = zip(tensor.shape[:3], tensor.stride()[:3], strict=True)
+    return tuple(stride if extent > 1 else 8 for extent, stride in pairs)
+
+
+def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
+    """`Planes` of rows [start, stop) of a strided `[B, H, N, D]` tensor."""
+    batch_stride, head_stride, row_stride = _strides(tensor)
+    pointer = tensor.data_ptr() + start * row_stride * tensor.element_size()
+    batch, heads = tensor.shape[:2]
+    return Planes(pointer, heads, stop - start, batch, head_stride, row_stride, batch_stride)
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether TMA can read the 16-bit `[B, H, N, D]` `tensor` in place: D contiguous, a 16-byte-aligned
+    start, and every other stride a multiple of 16 bytes (as head-major and token-major layouts are
+    when D is a multiple of 8)."""
+    if tensor.stride(3) != 1 or tensor.data_ptr() % 16:
+        return False
+    return not any(stride % 8 for stride in _strides(tensor))
+
+
+def map_at(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:
+    """The memoised map of `planes` (see `tensor_map`)."""
+    key = (planes, head_dim, dtype, box_rows)
     entry = _maps.get(key)
     if entry is not None:
         return entry

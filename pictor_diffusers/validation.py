@@ -17,7 +17,7 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
 
     Valid means: three tensors on one CPU or CUDA device, one dtype out of
     float32 / bfloat16 / float16, rank 4, query `[B, H, Nq, D]` and key, value
-    `[B, H, Nk, D]` (same B, H and D; Nq and Nk may differ), contiguous,
+    `[B, H, Nk, D]` (same B, H and D; Nq and Nk may differ), any strides,
     B, H, Nq, Nk >= 1, 1 <= D <= 384, and B, H <= 65535 (the kernels' grid limits).
     """
     if _plainly_valid(query, key, value):
@@ -45,11 +45,6 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
             )
         if name == "value" and tensor.shape != key.shape:
             raise ValueError(f"value has shape {tuple(tensor.shape)} but key has {tuple(key.shape)}; they must match")
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous [B, H, N, D], got strides {tuple(tensor.stride())} "
-                f"for shape {tuple(tensor.shape)}"
-            )
     _check_extents(*query.shape)
     if key.shape[2] < 1:
         raise ValueError(f"key and value need at least one token, got Nk={key.shape[2]}")
@@ -85,8 +80,6 @@ def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     if len(key_shape) != 4 or value.shape != key_shape or key_shape[2] < 1:
         return False
     if key_shape[0] != shape[0] or key_shape[1] != shape[1] or key_shape[3] != shape[3]:
-        return False
-    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
         return False
     device = query.device
     if device.type not in ("cpu", "cuda") or key.device != device or value.device != device:

@@ -193,3 +193,28 @@ def test_key_padding_mask(batch: int, seq_q: int, seq_k: int, name: str, dtype: 
     bound = FP32_REL_L2_TOL if compute == dtype == torch.float32 else 2.0 * native_error + 4e-3
     print(f"mask B{batch} Nq{seq_q} Nk{seq_k} {name} {dtype}: rel L2 {error:.2e} (native {native_error:.2e})")
     assert error <= bound, f"{name} {dtype}: rel L2 {error:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(2, 300, 300), (1, 4608, 4608), (2, 4096, 512)])
+def test_bf16_backend_reads_token_major_in_place(batch: int, seq_q: int, seq_k: int) -> None:
+    """`pictor_bf16` on bf16 `[B, N, H, 128]` hands the dispatcher's token-major tensors to the Hopper kernel
+    as they are: the call allocates only its output, and the result is the head-major launch's, bit for bit."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from pictor_diffusers import attention
+    from pictor_diffusers.launch import cannot_run
+
+    generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
+    query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).bfloat16()
+    key, value = (torch.randn(batch, seq_k, 4, 128, device="cuda", generator=generator).bfloat16() for _ in "kv")
+    head_major = [t.transpose(1, 2).contiguous() for t in (query, key, value)]
+    reason = cannot_run("wgmma", *head_major)
+    if reason is not None:
+        pytest.skip(f"the wgmma kernel cannot run here: {reason}")
+    expected = attention(*head_major).view(query.shape)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out = dispatch_attention_fn(query, key, value, backend="pictor_bf16")
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    assert torch.equal(out, expected), "the token-major call differs from the head-major launch"
+    assert allocations == 1, f"{allocations} allocations (expected the output only)"

@@ -236,3 +236,42 @@ def test_misaligned_inputs_fall_back_to_the_f32_path(dtype: torch.dtype) -> None
             attention(query, key, value, kernel=kernel)
     out = attention(query, key, value)
     assert torch.equal(out, attention(query.float(), key.float(), value.float(), out_dtype=dtype))
+
+
+def _layouts(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`tensor` `[B, H, N, D]` laid out three other ways, same values: a token-major view (what diffusers'
+    dispatcher passes), rows of a longer head-major tensor, and a view one element into its storage
+    (not 16-byte aligned: no kernel can read it in place)."""
+    batch, heads, seq, head_dim = tensor.shape
+    token_major = tensor.transpose(1, 2).contiguous().transpose(1, 2)
+    longer = torch.empty(batch, heads, seq + 5, head_dim, dtype=tensor.dtype, device=tensor.device)
+    longer[:, :, :seq] = tensor
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+    shifted = storage[1:].view(batch, seq, heads, head_dim).transpose(1, 2)
+    shifted.copy_(tensor)
+    return {"token_major": token_major, "row_slice": longer[:, :, :seq], "unaligned": shifted}
+
+
+STRIDED_SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 5, 4097, 128), (1, 4, 1000, 64)]
+
+
+@pytest.mark.parametrize("layout", ["token_major", "row_slice", "unaligned"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("kernel", "shape"), [c for c in CASES if c[1] in STRIDED_SHAPES], ids=_id)
+def test_strided_inputs(kernel: str, shape: Shape, dtype: torch.dtype, layout: str) -> None:
+    """Strided q/k/v give the contiguous inputs' result bit for bit. The wgmma kernel reads aligned
+    strided layouts in place (its tensor maps carry the strides): the call allocates nothing; the other
+    kernel, and layouts no kernel reads, get contiguous copies first."""
+    contiguous = qkv16(shape, dtype, seed=29)
+    blocker_or_skip(kernel, *contiguous)
+    strided = [_layouts(t)[layout] for t in contiguous]
+    assert not any(t.is_contiguous() for t in strided)
+    expected = launch(kernel, *contiguous)
+    out = torch.full_like(expected, float("nan"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    attention_cuda(*strided, shape[3] ** -0.5, kernel, dtype, out=out)
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    assert torch.equal(out, expected), f"{kernel} {layout}: differs from the contiguous inputs' result"
+    in_place = kernel == "wgmma" and layout != "unaligned"
+    assert allocations == (0 if in_place else 3), f"{kernel} {layout}: {allocations} allocations"
