@@ -13,7 +13,7 @@
      Softmax      pk_mask_tail, pk_online_softmax, pk_rescale: the flash-attention
                   online softmax on mma.sync / wgmma accumulator tiles
      LSE          pk_store_lse: the natural log-sum-exp of a row (optional output)
-     Key lengths  pk_batch_keys, pk_store_keyless_rows: per-batch key counts
+     Key lengths  pk_batch_keys, pk_store_keyless_rows, pk_no_keys: per-batch key counts
                   (key-padding masks, keys compacted to the front by the host)
      Dtypes       pk_storage<KIND>, pk_pack2<KIND>, pk_store2<KIND>, pk_store4<KIND>:
                   KIND 0 is f32, 1 bfloat16, 2 float16 (16-bit values travel
@@ -228,6 +228,21 @@ __device__ __forceinline__ void pk_store_keyless_rows(typename pk_storage<KIND>:
         out[(token * num_heads + blockIdx.y) * head_dim + col] = 0;
         if (col == 0 && lse != nullptr) lse[token * num_heads + blockIdx.y] = PK_NEG_INF;
     }
+}
+
+/* A key-count build's first step: seq_k becomes the batch's key count
+   (pk_batch_keys); when it is 0 the block stores its keyless rows
+   (pk_store_keyless_rows) and returns true, and the kernel returns. */
+template <int KIND>
+__device__ __forceinline__ bool pk_no_keys(const int* key_lens, unsigned int& seq_k,
+                                           typename pk_storage<KIND>::type* out, float* lse, unsigned int rows,
+                                           unsigned int seq_q, unsigned int num_heads, unsigned int head_dim,
+                                           unsigned int out_pitch)
+{
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k != 0) return false;
+    pk_store_keyless_rows<KIND>(out, lse, rows, seq_q, num_heads, head_dim, out_pitch);
+    return true;
 }
 
 /* ---- scaled fp16 hi/lo split (the fp16x3 parity kernels) ---- */

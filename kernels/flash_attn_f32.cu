@@ -87,11 +87,7 @@ extern "C" __global__ void joint_attention_flash_f32(
     const unsigned int q0 = blockIdx.x * FA_BQ;
     if (h >= num_heads || q0 >= seq_q) return;
 #if FA_KEY_LENS
-    seq_k = pk_batch_keys(key_lens, seq_k);
-    if (seq_k == 0) {
-        pk_store_keyless_rows<0>(out, lse, FA_BQ, seq_q, num_heads, head_dim, out_pitch);
-        return;
-    }
+    if (pk_no_keys<0>(key_lens, seq_k, out, lse, FA_BQ, seq_q, num_heads, head_dim, out_pitch)) return;
 #endif
 
     const unsigned int tid = threadIdx.x;

@@ -309,11 +309,7 @@ joint_attention_fp16x3(
     extern __shared__ __align__(1024) unsigned char x3_smem_raw[];
     const x3_smem m = x3_carve(x3_smem_raw);
 #if X3_KEY_LENS
-    seq_k = pk_batch_keys(key_lens, seq_k);
-    if (seq_k == 0) {
-        pk_store_keyless_rows<X3_OUT_KIND>(out, lse, X3_BQ, seq_q, num_heads, X3_D, out_pitch);
-        return;
-    }
+    if (pk_no_keys<X3_OUT_KIND>(key_lens, seq_k, out, lse, X3_BQ, seq_q, num_heads, X3_D, out_pitch)) return;
 #endif
     const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 

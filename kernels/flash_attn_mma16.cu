@@ -175,11 +175,7 @@ joint_attention_mma16(
     /* The batch's key count, in shared memory and re-read where used: at
        head_dim 128 every register is taken by the accumulators. */
     __shared__ unsigned int mh_keys;
-    seq_k = pk_batch_keys(key_lens, seq_k);
-    if (seq_k == 0) {
-        pk_store_keyless_rows<MH_IN_KIND>(out, lse, MH_BQ, seq_q, num_heads, MH_D, out_pitch);
-        return;
-    }
+    if (pk_no_keys<MH_IN_KIND>(key_lens, seq_k, out, lse, MH_BQ, seq_q, num_heads, MH_D, out_pitch)) return;
     if (threadIdx.x == 0) mh_keys = seq_k;    /* read after the key loop's first __syncthreads */
 #define MH_KEYS (*(volatile unsigned int*)&mh_keys)
 #else

@@ -174,11 +174,7 @@ joint_attention_tf32x3(
     /* The batch's key count, in shared memory and re-read where used: at
        head_dim 128 every register is taken by the accumulators. */
     __shared__ unsigned int ft_keys;
-    seq_k = pk_batch_keys(key_lens, seq_k);
-    if (seq_k == 0) {
-        pk_store_keyless_rows<FT_OUT_KIND>(out, lse, FT_BQ, seq_q, num_heads, FT_D, out_pitch);
-        return;
-    }
+    if (pk_no_keys<FT_OUT_KIND>(key_lens, seq_k, out, lse, FT_BQ, seq_q, num_heads, FT_D, out_pitch)) return;
     if (threadIdx.x == 0) ft_keys = seq_k;    /* read after the key loop's first __syncthreads */
 #define FT_KEYS (*(volatile unsigned int*)&ft_keys)
 #else

@@ -265,11 +265,7 @@ joint_attention_wgmma(
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     const wg_smem m = wg_carve(wg_smem_raw);
 #if WG_KEY_LENS
-    seq_k = pk_batch_keys(key_lens, seq_k);
-    if (seq_k == 0) {
-        pk_store_keyless_rows<WG_IN_KIND>(out, lse, WG_BQ, seq_q, num_heads, WG_D, out_pitch);
-        return;
-    }
+    if (pk_no_keys<WG_IN_KIND>(key_lens, seq_k, out, lse, WG_BQ, seq_q, num_heads, WG_D, out_pitch)) return;
 #endif
     const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
 

@@ -50,12 +50,14 @@ def _unsupported(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
+    padding: torch.Tensor | None,
     dropout_p: float,
     is_causal: bool,
     scale: float | None,
 ) -> tuple[str, str] | None:
-    """(reason key, what it is) when pictor's kernels cannot serve the call, else None."""
-    if attn_mask is not None and key_padding(attn_mask, query.shape[0], key.shape[1]) is None:
+    """(reason key, what it is) when pictor's kernels cannot serve the call, else None
+    (`padding`: `attn_mask` as `key_padding` reads it)."""
+    if attn_mask is not None and padding is None:
         shape, dtype = tuple(attn_mask.shape), attn_mask.dtype
         return "attn_mask", f"attention masks other than boolean key padding (attn_mask {dtype} {shape})"
     if is_causal:
@@ -124,9 +126,9 @@ def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _serve(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
-    return_lse: bool, attn_mask: torch.Tensor | None = None,
+    return_lse: bool, padding: torch.Tensor | None = None,
 ) -> Output:  # fmt: skip
-    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a key-padding `attn_mask`, see `key_padding`) -> pictor
+    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a `[B, Nk]` bool key-padding mask from `key_padding`) -> pictor
     attention -> `[B, Nq, H, D]` in the inputs' dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
     No copy in where the kernel reads token-major q/k/v in place (the Hopper 16-bit kernel, inputs in
@@ -136,13 +138,12 @@ def _serve(
     batch, seq, heads, head_dim = query.shape
     dtype = query.dtype
     q = _head_major(query, compute)
-    if attn_mask is None:
+    if padding is None:
         k, v, key_lens = _head_major(key, compute), _head_major(value, compute), None
     else:
-        mask = key_padding(attn_mask, batch, key.shape[1])
-        kept_first = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, None, :, None]
+        kept_first = torch.argsort((~padding).to(torch.uint8), dim=1, stable=True)[:, None, :, None]
         k, v = _gathered(key, kept_first, compute), _gathered(value, kept_first, compute)
-        key_lens = mask.sum(1, dtype=torch.int32)
+        key_lens = padding.sum(1, dtype=torch.int32)
     out_dtype = dtype if compute == torch.float32 else compute
     result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens)
     out, lse = result if return_lse else (result, None)
@@ -195,7 +196,8 @@ def make_backend(
         return_lse: bool = False,
         _parallel_config: Any = None,
     ) -> Output:
-        problem = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        padding = None if attn_mask is None else key_padding(attn_mask, query.shape[0], key.shape[1])
+        problem = _unsupported(query, key, value, attn_mask, padding, dropout_p, is_causal, scale)
         if problem is None and _parallel_config is not None and template is None:
             problem = ("parallel_config", "context parallelism (this diffusers has no context-parallel template)")
         if problem is None and _parallel_config is not None and attn_mask is not None:
@@ -208,8 +210,8 @@ def make_backend(
                 )
             if _profiling():
                 with torch.profiler.record_function("pictor::attention"):
-                    return _serve(query, key, value, scale, compute, return_lse, attn_mask)
-            return _serve(query, key, value, scale, compute, return_lse, attn_mask)
+                    return _serve(query, key, value, scale, compute, return_lse, padding)
+            return _serve(query, key, value, scale, compute, return_lse, padding)
         reason, detail = problem
         if return_lse:
             raise NotImplementedError(

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import runtime, tensor_maps
-from .registry import NoKernelError, Problem, Selection, Variant, prologue_variant, select_kernel, split_variant
+from .registry import Variant, prologue_variant, split_variant
+from .selection import NoKernelError, Problem, Selection, select_kernel
 from .validation import PrologueLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -171,7 +172,7 @@ def launch_attention(
     window: Window,
     key_lens: torch.Tensor | None = None,
 ) -> None:
-    """Launch an attention `variant` on inputs and an output it accepts (see `registry.blocker`),
+    """Launch an attention `variant` on inputs and an output it accepts (see `selection.blocker`),
     for the rows of `window` (and `key_lens` keys of each batch, if given)."""
     spec = variant.spec
     batch, heads, seq_q, head_dim = query.shape

@@ -1,12 +1,11 @@
-"""The kernel registry: one row per CUDA kernel, and the pure choice among them.
+"""The kernel registry: one row per CUDA kernel.
 
 A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute
 capability), how it is built (source, `-D` geometry, arch) and how it is
 launched (threads, rows per block, shared memory, operand and scalar lists).
-`select_kernel` answers "which kernel runs this problem, and why not the
-others" from plain facts (no GPU, no tensors), so it is tested on CPU for
-every combination. Adding a kernel means adding a row here and its `.cu` file
-in `kernels/`; `launch.py` runs any row.
+`selection.select_kernel` chooses among the rows from plain facts. Adding a
+kernel means adding a row here and its `.cu` file in `kernels/`; `launch.py`
+runs any row.
 
 Geometry lives here only: the host passes it to the kernels as `-D` options,
 the kernels `#error` on a missing one and `static_assert` their own formulas
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
 """dtype name -> the kind number the kernels' `*_KIND` defines use."""
@@ -286,95 +285,6 @@ def variants(spec: KernelSpec) -> tuple[Variant, ...]:
     head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
     builds = [(d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i)]
     return tuple(Variant(spec, *build, key_lens) for key_lens in (False, True) for build in builds)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """The facts that decide which kernel runs: inputs and device, no tensors.
-
-    `aligned`: q, k and v start on 16-byte boundaries (tensor cores read 16-byte vectors).
-    `key_lens`: the call gives per-batch key counts (the kernels' key-count builds run it).
-    """
-
-    in_dtype: str
-    out_dtype: str
-    head_dim: int
-    capability: tuple[int, int]
-    shared_limit: int
-    aligned: bool = True
-    key_lens: bool = False
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The chosen variant; `upcast`: 16-bit inputs run the f32 kernels as float32;
-    `rejected`: (kernel, reason) for each candidate tried before it."""
-
-    variant: Variant
-    upcast: bool
-    rejected: tuple[tuple[str, str], ...]
-
-
-class NoKernelError(ValueError):
-    """No kernel can run the problem; the message lists each candidate's reason."""
-
-
-def blocker(spec: KernelSpec, problem: Problem) -> str | None:
-    """Why `spec` cannot run `problem` (inputs already float32 for the f32 family), or None."""
-    if problem.in_dtype not in spec.in_dtypes:
-        return f"takes {'/'.join(spec.in_dtypes)} inputs, not {problem.in_dtype}"
-    if problem.head_dim not in spec.head_dims:
-        allowed = f"<= {MAX_HEAD_DIM}" if spec.name == "f32" else f"in {spec.head_dims}"
-        return f"needs head_dim {allowed}, got {problem.head_dim}"
-    if spec.exact_capability is not None and problem.capability != spec.exact_capability:
-        return f"needs compute capability {spec.exact_capability}, the device has {problem.capability}"
-    if problem.capability < spec.min_capability:
-        return f"needs compute capability {spec.min_capability}+, the device has {problem.capability}"
-    needed = spec.shared_bytes(variant_for(spec, problem.head_dim, "float32", "float32").head_dim)
-    if needed > problem.shared_limit:
-        return f"needs {needed} bytes of shared memory per block, the device allows {problem.shared_limit}"
-    if spec.name != "f32" and not problem.aligned:
-        return "q, k or v is not 16-byte aligned"
-    return None
-
-
-def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec, bool]]:
-    """(spec, upcast) in the order tried: the requested kernel, or the family's "auto" order;
-    16-bit "auto" ends with the f32 kernels on upcast inputs (fresh float32 copies, so aligned)."""
-    family = family_of(problem.in_dtype)
-    if kernel != "auto":
-        return [(BY_NAME[kernel], False)]
-    own = [(spec, False) for spec in KERNELS if spec.family == family]
-    if family == "16bit":
-        own += [(spec, True) for spec in KERNELS if spec.family == "fp32"]
-    return own
-
-
-def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str, str] | None = None) -> Selection:
-    """The kernel that runs `problem`: the requested one, or the first "auto" candidate that can.
-
-    Args:
-        problem: inputs and device facts.
-        kernel: "auto" or a name from `KERNEL_CHOICES` (already checked against the family).
-        disabled: kernel name -> reason, for kernels that failed to build or load here.
-
-    Raises:
-        NoKernelError: no candidate can run it; the message gives every reason.
-    """
-    disabled = disabled or {}
-    rejected: list[tuple[str, str]] = []
-    for spec, upcast in _candidates(problem, kernel):
-        in_dtype = "float32" if upcast else problem.in_dtype
-        as_run = replace(problem, in_dtype="float32", aligned=True) if upcast else problem
-        reason = disabled.get(spec.name) or blocker(spec, as_run)
-        if reason is None:
-            writes = spec.writes(in_dtype)
-            out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
-            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens)
-            return Selection(variant, upcast, tuple(rejected))
-        rejected.append((spec.name + (" (upcast)" if upcast else ""), reason))
-    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
-    raise NoKernelError(f"kernel={kernel!r} cannot run {problem.in_dtype} head_dim={problem.head_dim}: {reasons}")
 
 
 PROLOGUE = KernelSpec(

@@ -15,17 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from pictor_diffusers.registry import (
-    BY_NAME,
-    KERNEL_CHOICES,
-    KERNELS,
-    NoKernelError,
-    Problem,
-    blocker,
-    kernels_for,
-    select_kernel,
-    variants,
-)
+from pictor_diffusers.registry import BY_NAME, KERNEL_CHOICES, KERNELS, kernels_for, variants
+from pictor_diffusers.selection import NoKernelError, Problem, blocker, select_kernel
 
 H200 = ((9, 0), 232448)
 A100 = ((8, 0), 166912)
