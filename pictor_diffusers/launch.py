@@ -9,6 +9,7 @@ the public boundary (`ops.attention`); nothing here re-checks them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 import warnings
@@ -17,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import runtime, tensor_maps
-from .registry import Variant, prologue_variant, split_variant
+from .registry import KernelSpec, Variant, prologue_variant, split_variant
 from .selection import NoKernelError, Problem, Selection, select_kernel
 from .validation import PrologueLayout
 
@@ -133,10 +134,12 @@ def attention_cuda(
     """
     batch, heads, seq_q, head_dim = query.shape
     window = full_window(query, key) if window is None else window
-    query, key, value = (_in_place_or_copy(t) for t in (query, key, value))
-    q_at = window.q_start * query.stride(2) * query.element_size()
-    k_at, v_at = (window.k_start * t.stride(2) * t.element_size() for t in (key, value))
-    aligned = not (query.data_ptr() + q_at | key.data_ptr() + k_at | value.data_ptr() + v_at) % 16
+    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
+        query, key, value = _in_place_or_copy(query), _in_place_or_copy(key), _in_place_or_copy(value)
+    size = query.element_size()
+    q_at = query.data_ptr() + window.q_start * query.stride(2) * size
+    k_at = key.data_ptr() + window.k_start * key.stride(2) * size
+    aligned = not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
     selection = resolve(kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None)
     variant = selection.variant
     if selection.upcast:
@@ -186,26 +189,41 @@ def launch_attention(
         0 if lse is None else lse.data_ptr() + window.q_start * heads * 4,
         0 if key_lens is None else key_lens.data_ptr(),
     )
-    geometry = Geometry(batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype)
     scalars = {
         "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": key.shape[2],
         "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
     }  # fmt: skip
     if spec.operands == "tensor_maps":
-        rows = ((query, window.q_start, window.q_stop), *((t, window.k_start, window.k_stop) for t in (key, value)))
-        maps = [tensor_maps.map_at(tensor_maps.rows_of(*at), head_dim, query.dtype) for at in rows]
-        operands, kinds, _keep = _with_maps(maps, pointers[3:]), _MAP_KINDS, maps
+        maps = [
+            tensor_maps.map_at(tensor_maps.rows_of(query, window.q_start, window.q_stop), head_dim, query.dtype),
+            tensor_maps.map_at(tensor_maps.rows_of(key, window.k_start, window.k_stop), head_dim, query.dtype),
+            tensor_maps.map_at(tensor_maps.rows_of(value, window.k_start, window.k_stop), head_dim, query.dtype),
+        ]
+        operands, _keep = _with_maps(maps, pointers[3:]), maps
     else:
-        operands, kinds, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
+        geometry = Geometry(batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype)
+        operands, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
     runtime.launch(
         runtime.function(variant, query.device.index),
         query.device.index,
         variant.grid(batch, heads, q_count),
         spec.threads,
         spec.shared_bytes(head_dim),
-        kinds + tuple(_SCALAR_TYPES[name] for name in spec.scalars),
+        _signature(spec),
         operands + tuple(scalars[name] for name in spec.scalars),
     )
+
+
+_SIGNATURES: dict[str, tuple[Any, ...]] = {}
+
+
+def _signature(spec: KernelSpec) -> tuple[Any, ...]:
+    """The ctypes kinds of a row's arguments: its operands (`_OPERAND_KINDS`), then its scalars."""
+    signature = _SIGNATURES.get(spec.name)
+    if signature is None:
+        scalars = tuple(_SCALAR_TYPES[name] for name in spec.scalars)
+        signature = _SIGNATURES[spec.name] = _OPERAND_KINDS[spec.operands] + scalars
+    return signature
 
 
 class Geometry(NamedTuple):
@@ -222,12 +240,12 @@ class Geometry(NamedTuple):
 
 def _operands(
     kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int
-) -> tuple[tuple[Any, ...], tuple[Any, ...], object]:
-    """(operand values, their ctypes kinds, what must stay referenced until the launch) of a
-    contiguous-input row's operand kind, from the window's (q, k, v, out, lse, key_lens) addresses;
-    "split_planes" runs the split prepass first."""
+) -> tuple[tuple[Any, ...], object]:
+    """(operand values, what must stay referenced until the launch) of a contiguous-input row's
+    operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs
+    the split prepass first."""
     if kind == "pointers":
-        return pointers, (_U64,) * 6, None
+        return pointers, None
     g = geometry
     planes, colmax = split_planes(pointers[:3], geometry, device_index)
     base, half = planes.data_ptr(), 2
@@ -238,11 +256,11 @@ def _operands(
                            _SPLIT_BOX_ROWS)
         for address, count in ((base, g.q_count), (base + q_bytes, g.k_count), (base + q_bytes + k_bytes, g.k_count))
     ]  # fmt: skip
-    operands = (*_with_maps(maps, pointers[3:]), colmax.data_ptr())
-    return operands, (*_MAP_KINDS, _U64), (maps, planes, colmax)
+    return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), (maps, planes)
 
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
+_OPERAND_KINDS = {"pointers": (_U64,) * 6, "tensor_maps": _MAP_KINDS, "split_planes": (*_MAP_KINDS, _U64)}
 
 
 def _with_maps(maps: list[tuple[ctypes.Array, int]], pointers: tuple[int, ...]) -> tuple[int, ...]:
@@ -257,6 +275,13 @@ def _split_plane_rows(address: int, planes: int, rows: int, head_dim: int) -> te
 
 
 _SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5
+
+
+@functools.cache
+def _device(device_index: int) -> torch.device:
+    return torch.device("cuda", device_index)
+
+
 _SPLIT_BOX_ROWS = 64
 
 
@@ -268,12 +293,13 @@ def split_planes(
 
     Returns the planes (float16, flat: q's `[2 (hi, lo), planes, q_count, D]`, then k's and v's,
     each `[2, planes, k_count, D]`) and the column maxima `[3, planes, D]` (f32 bit patterns as
-    int32) that give each group's scale.
+    int32) that give each group's scale, both views of one allocation.
     """
     g = geometry
-    device = torch.device("cuda", device_index)
-    planes = torch.empty(2 * g.planes * (g.q_count + 2 * g.k_count) * g.head_dim, dtype=torch.float16, device=device)
-    colmax = torch.zeros((3, g.planes, g.head_dim), dtype=torch.int32, device=device)
+    plane_halves = 2 * g.planes * (g.q_count + 2 * g.k_count) * g.head_dim
+    workspace = torch.empty(plane_halves + 6 * g.planes * g.head_dim, dtype=torch.float16, device=_device(device_index))
+    planes, colmax = workspace[:plane_halves], workspace[plane_halves:].view(torch.int32).view(3, g.planes, g.head_dim)
+    runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
     variant = split_variant(g.head_dim)
     function = runtime.function(variant, device_index)
     grid = (g.planes, -(-max(g.q_count, g.k_count) // variant.spec.rows_per_block), 3)
@@ -287,18 +313,24 @@ _PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 5 + (_F32, _F32, ct
 
 
 def qkv_prologue_cuda(
-    layout: PrologueLayout, out_dtype: torch.dtype = torch.float32, gap_at: int = 0, kv_gap: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout: PrologueLayout, out_dtype: torch.dtype = torch.float32, gap_at: int = 0, kv_gap: int = 0,
+    one_allocation: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run `qkv_prologue` on projections `validation.prologue_layout` accepted.
 
     Returns q, k, v: new contiguous tensors in `out_dtype` (float32, bfloat16 or
     float16), q `[B, H, N, D]`, k and v `[B, H, N + kv_gap, D]` whose rows from token
     `gap_at` on sit `kv_gap` rows down (rows [gap_at, gap_at + kv_gap) are left unwritten).
+    `one_allocation` (eager calls without a gap; a custom op's outputs may not alias): q, k and v
+    are the three planes of one `[3, B, H, N, D]` allocation.
     """
     shape = (layout.batch, layout.heads, layout.seq, layout.head_dim)
-    kv_shape = (layout.batch, layout.heads, layout.seq + kv_gap, layout.head_dim)
-    device = torch.device("cuda", layout.device_index)
-    outs = [torch.empty(s, dtype=out_dtype, device=device) for s in (shape, kv_shape, kv_shape)]
+    device = _device(layout.device_index)
+    if one_allocation and kv_gap == 0:
+        outs = torch.empty((3, *shape), dtype=out_dtype, device=device).unbind(0)
+    else:
+        kv_shape = (layout.batch, layout.heads, layout.seq + kv_gap, layout.head_dim)
+        outs = [torch.empty(s, dtype=out_dtype, device=device) for s in (shape, kv_shape, kv_shape)]
     variant = prologue_variant(layout.head_dim, DTYPE_NAMES[layout.dtype], DTYPE_NAMES[out_dtype])
     extents = [layout.text_len, layout.seq, layout.heads, gap_at, kv_gap]
     scalars = [*layout.strides, *extents, *layout.eps, int(layout.rope)]

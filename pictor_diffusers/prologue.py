@@ -119,11 +119,13 @@ def _prologue_impl(
     dtype: torch.dtype,
     gap_at: int = 0,
     kv_gap: int = 0,
+    eager: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused kernel for CUDA projections in a layout it takes, else the torch twin."""
+    """The fused kernel for CUDA projections in a layout it takes, else the torch twin (`eager`: not
+    inside the custom op, so the kernel's outputs may share one allocation)."""
     layout = prologue_layout(projections, weights, rope, eps)
     if layout is not None and layout.device_index >= 0:
-        return qkv_prologue_cuda(layout, dtype, gap_at, kv_gap)
+        return qkv_prologue_cuda(layout, dtype, gap_at, kv_gap, one_allocation=eager)
     query, key, value = (t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
     return query, _open_gap(key, gap_at, kv_gap), _open_gap(value, gap_at, kv_gap)
 
@@ -185,7 +187,8 @@ def pack_head_major(
 
     Returns:
         q: contiguous `[B, H, N, D]` in `dtype`, N = sum of n_i; k, v: `[B, H, N + rows, D]`.
-        On CUDA one launch of the fused prologue kernel where the layout allows it.
+        On CUDA one launch of the fused prologue kernel where the layout allows it (in eager
+        mode without a gap, into one `[3, B, H, N, D]` allocation).
     """
     if dtype not in _DTYPES.values():
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
@@ -198,4 +201,4 @@ def pack_head_major(
     if needs_op(*projections):
         name = str(dtype).removeprefix("torch.")
         return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, name, *kv_gap)
-    return _prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap)
+    return _prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap, eager=True)

@@ -179,3 +179,16 @@ def launch(
         return
     _bind_context(device_index)
     cupy.cuda.driver.launchKernel(function_handle, *grid, threads, 1, 1, shared_bytes, stream, params, 0)
+
+
+def zero(pointer: int, size: int, device_index: int) -> None:
+    """Set `size` bytes at device address `pointer` to 0, asynchronously on torch's current stream of
+    `device_index` (`cudaMemsetAsync`: no kernel launch through torch, capturable in CUDA graphs)."""
+    memset = import_cupy().cuda.runtime.memsetAsync
+    if torch.cuda.current_device() != device_index:
+        with torch.cuda.device(device_index):
+            _bind_context(device_index)
+            memset(pointer, 0, size, current_stream(device_index))
+        return
+    _bind_context(device_index)
+    memset(pointer, 0, size, current_stream(device_index))

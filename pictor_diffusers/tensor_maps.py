@@ -91,28 +91,28 @@ def tensor_map(tensor: torch.Tensor, box_rows: int = BOX_ROWS) -> tuple[ctypes.A
     return map_at(rows_of(tensor, 0, tensor.shape[2]), tensor.shape[3], tensor.dtype, box_rows)
 
 
-def _strides(tensor: torch.Tensor) -> tuple[int, int, int]:
-    """Batch, head and row strides of a `[B, H, N, D]` tensor, a dimension of extent 1 given stride 8
-    (torch gives such dimensions arbitrary strides; the copy engine never steps along them)."""
-    pairs = zip(tensor.shape[:3], tensor.stride()[:3], strict=True)
-    return tuple(stride if extent > 1 else 8 for extent, stride in pairs)
-
-
 def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
-    """`Planes` of rows [start, stop) of a strided `[B, H, N, D]` tensor."""
-    batch_stride, head_stride, row_stride = _strides(tensor)
+    """`Planes` of rows [start, stop) of a strided `[B, H, N, D]` tensor. A dimension of extent 1 gets
+    stride 8 (torch gives such dimensions arbitrary strides; the copy engine never steps along them)."""
+    batch, heads, rows, _ = tensor.shape
+    batch_stride, head_stride, row_stride, _ = tensor.stride()
     pointer = tensor.data_ptr() + start * row_stride * tensor.element_size()
-    batch, heads = tensor.shape[:2]
-    return Planes(pointer, heads, stop - start, batch, head_stride, row_stride, batch_stride)
+    return Planes(
+        pointer, heads, stop - start, batch,
+        head_stride if heads > 1 else 8, row_stride if rows > 1 else 8, batch_stride if batch > 1 else 8,
+    )  # fmt: skip
 
 
 def readable(tensor: torch.Tensor) -> bool:
     """Whether TMA can read the 16-bit `[B, H, N, D]` `tensor` in place: D contiguous, a 16-byte-aligned
-    start, and every other stride a multiple of 16 bytes (as head-major and token-major layouts are
-    when D is a multiple of 8)."""
-    if tensor.stride(3) != 1 or tensor.data_ptr() % 16:
+    start, and every other stride of a dimension longer than 1 a multiple of 16 bytes (as head-major and
+    token-major layouts are when D is a multiple of 8)."""
+    batch, heads, rows, _ = tensor.shape
+    batch_stride, head_stride, row_stride, column_stride = tensor.stride()
+    if column_stride != 1 or tensor.data_ptr() % 16:
         return False
-    return not any(stride % 8 for stride in _strides(tensor))
+    misaligned = (batch > 1 and batch_stride % 8) or (heads > 1 and head_stride % 8) or (rows > 1 and row_stride % 8)
+    return not misaligned
 
 
 def map_at(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:
