@@ -1,0 +1,252 @@
+"""8-bit attention (SageAttention2-style) in torch: the numerical twin of a planned Hopper kernel.
+
+What the kernel will do, tile by tile, emulated on CPU in float32:
+
+* K smoothing: K minus its mean over tokens per (b, h, channel); each row's logits shift by one constant,
+  so softmax is unchanged, but the int8 range goes to what varies between keys.
+* Q -> int8, one scale per (b, h, 64 query rows); K -> int8, one per (b, h, 128 keys); scale absmax / 127,
+  round to nearest even, clamp to [-127, 127]. Q's scale also carries `scale * log2(e)` (exp2 domain).
+* Logits: the int32 product of the codes (exact in f32 too: |sum| <= 128 * 127^2 < 2^24) times
+  q_scale * k_scale; online softmax over 128-key tiles in f32.
+* P in [0, 1] -> FP8 E4M3 as P * 448 (fixed scale: P <= 1, and E4M3's relative step does not depend on
+  the scale, which only decides where tiny P underflow); V -> E4M3, one scale per (b, h, channel).
+* P·V per tile in f32 from the FP8 values, added into the f32 accumulator; out = acc / l * v_scale / 448,
+  l the row sum of the unquantised f32 P. Options: V smoothing, a per-row P scale, a 14-bit wgmma
+  accumulator, FP8 Q/K, bf16 P·V and finer Q/K scale blocks, for the study `benchmarks/quant_study.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from pictor_diffusers.testing.references import max_abs, rel_l2
+
+LOG2E = math.log2(math.e)
+Q_BLOCK = 64
+K_TILE = 128
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+InputSet = Literal["normal", "k_offset", "peaky", "v_offset"]
+INPUT_SETS = ("normal", "k_offset", "peaky", "v_offset")
+
+
+def smooth_k(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K minus its mean over tokens: `[B, H, N, D]` any float dtype -> (float32 `[B, H, N, D]`, mean `[B, H, 1, D]`)."""
+    mean = key.float().mean(dim=2, keepdim=True)
+    return key.float() - mean, mean
+
+
+def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Absmax of `x` `[B, H, N, D]` per block of `block` rows (the last may be short): `[B, H, ceil(N/block)]`."""
+    batch, heads, seq, head_dim = x.shape
+    padded = F.pad(x.abs(), (0, 0, 0, -seq % block))  # zeros never raise an absmax
+    return padded.view(batch, heads, -1, block * head_dim).amax(dim=-1)
+
+
+def _per_row(scales: torch.Tensor, block: int, seq: int) -> torch.Tensor:
+    """Block scales `[B, H, nb]` spread to rows: `[B, H, seq, 1]`."""
+    return scales.repeat_interleave(block, dim=2)[:, :, :seq, None]
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 to FP8 E4M3 (nearest even), saturating at ±448: float8_e4m3fn of the same shape."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_int8_blocks(x: torch.Tensor, block: int, extra_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per (b, h, block of `block` tokens).
+
+    Args:
+        x: `[B, H, N, D]` any float dtype.
+        block: tokens per scale (64 for Q, 128 for K); N need not be a multiple.
+        extra_scale: folded into the returned scales (Q: softmax scale * log2(e)).
+
+    Returns:
+        codes int8 `[B, H, N, D]` in [-127, 127] and float32 scales `[B, H, ceil(N/block)]`, with
+        codes * scale ~= x * extra_scale (error <= scale / 2 per element).
+    """
+    x = x.float()
+    scales = (_block_absmax(x, block) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.round(x / _per_row(scales, block, x.shape[2])).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scales * extra_scale
+
+
+def quantize_fp8_blocks(x: torch.Tensor, block: int, extra_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `quantize_int8_blocks` but to FP8 E4M3 (scale absmax / 448): float8_e4m3fn codes, float32 scales."""
+    x = x.float()
+    scales = (_block_absmax(x, block) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return to_e4m3(x / _per_row(scales, block, x.shape[2])), scales * extra_scale
+
+
+def quantize_fp8_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 with one scale per (b, h, channel) = absmax over tokens / 448.
+
+    Args:
+        x: `[B, H, N, D]` any float dtype.
+
+    Returns:
+        codes float8_e4m3fn `[B, H, N, D]` and float32 scales `[B, H, 1, D]`, codes * scale ~= x (relative
+        error <= 2^-4 for |x| >= 2^-6 * scale, absolute <= 2^-10 * scale below).
+    """
+    x = x.float()
+    scales = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return to_e4m3(x / scales), scales
+
+
+def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """`x` float32 truncated (toward zero) to `bits` significant bits, same shape and dtype."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.trunc(mantissa * 2.0**bits) / 2.0**bits, exponent)
+
+
+def _tile_pv(p: torch.Tensor, v: torch.Tensor, accum_bits: int | None, total: torch.Tensor) -> torch.Tensor:
+    """`total` plus one tile's P·V (`[..., Nq, Nt] x [..., Nt, D]`) in f32; with `accum_bits` the running sum is
+    truncated to that many significant bits after each k=32 chunk (one FP8 wgmma each)."""
+    if accum_bits is None:
+        return total + p @ v
+    for start in range(0, p.shape[-1], 32):
+        total = truncate_mantissa(total + p[..., start : start + 32] @ v[..., start : start + 32, :], accum_bits)
+    return total
+
+
+def int8_fp8_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None = None,
+    *,
+    qk_format: Literal["int8", "fp8"] = "int8",
+    k_smoothing: bool = True,
+    v_smoothing: bool = False,
+    p_scale: Literal["fixed", "row"] = "fixed",
+    pv_accum_bits: int | None = None,
+    pv_promote: bool = True,
+    pv_format: Literal["fp8", "bf16"] = "fp8",
+    q_block: int = Q_BLOCK,
+    k_block: int = K_TILE,
+) -> torch.Tensor:
+    """Non-causal attention with 8-bit Q·K^T and FP8 P·V, emulating the planned kernel (see the module doc).
+
+    Args:
+        query: head-major `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; float32 or bfloat16 (upcast).
+        scale: multiplies the logits `Q K^T`; default D**-0.5.
+        qk_format: "int8" (absmax/127) or "fp8" E4M3 (absmax/448) codes for Q and K, same blocks.
+        k_smoothing: subtract K's per-channel mean before quantising K.
+        v_smoothing: quantise V minus its per-channel mean and add the mean back after normalising.
+        p_scale: "fixed" quantises P = exp2(s - running max) as P * 448; "row" takes P relative to the row's
+            max in this tile (exp2(s - tile max), so each tile's largest P is exactly 448) and folds
+            exp2(tile max - running max) into that tile's P·V and row sum: one exp2 per row and tile.
+        pv_accum_bits: None for f32 P·V per tile; else the FP8 wgmma accumulator's significant bits (e.g. 14).
+        pv_promote: True: each tile's P·V sums in registers of its own, then is added to the f32 accumulator
+            (two-level; "row" needs it); False: the wgmma accumulates into the accumulator itself.
+        pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
+            SageAttention1-style alternative).
+        q_block, k_block: rows per Q scale and keys per K scale (1 = per token); defaults 64 and 128.
+
+    Returns:
+        token-major `[B, Nq, H*D]` float32.
+    """
+    if not pv_promote and p_scale != "fixed":
+        raise ValueError(f"p_scale={p_scale!r} rescales each tile's P·V, so it needs pv_promote=True")
+    batch, heads, seq, head_dim = query.shape
+    scale = head_dim**-0.5 if scale is None else scale
+    k = smooth_k(key)[0] if k_smoothing else key.float()
+    v = value.float()
+    v_mean = v.mean(dim=2, keepdim=True) if v_smoothing else torch.zeros_like(v[:, :, :1])
+    quantize = quantize_int8_blocks if qk_format == "int8" else quantize_fp8_blocks
+    q_codes, q_scales = quantize(query, q_block, scale * LOG2E)
+    k_codes, k_scales = quantize(k, k_block)
+    if pv_format == "fp8":
+        v_codes, v_scales = quantize_fp8_channels(v - v_mean)
+        p_mult = FP8_MAX
+    else:
+        v_codes, v_scales, p_mult = (v - v_mean).bfloat16(), torch.ones_like(v_mean), 1.0
+    q8 = q_codes.float()
+    q_row_scales = _per_row(q_scales, q_block, seq)
+    k_col_scales = _per_row(k_scales, k_block, k.shape[2]).transpose(-1, -2)
+    running_max = torch.full((batch, heads, seq, 1), float("-inf"))
+    running_sum = torch.zeros((batch, heads, seq, 1))
+    acc = torch.zeros((batch, heads, seq, head_dim))
+    for start in range(0, k.shape[2], K_TILE):
+        keys = slice(start, start + K_TILE)
+        logits = (q8 @ k_codes[:, :, keys].float().transpose(-1, -2)) * (q_row_scales * k_col_scales[..., keys])
+        tile_max = logits.amax(dim=-1, keepdim=True)
+        new_max = torch.maximum(running_max, tile_max)
+        correction = torch.exp2(running_max - new_max)
+        reference_max = tile_max if p_scale == "row" else new_max
+        weight = torch.exp2(reference_max - new_max)  # 1 with the fixed scale
+        probs = torch.exp2(logits - reference_max)
+        running_sum = running_sum * correction + weight * probs.sum(dim=-1, keepdim=True)
+        p8 = to_e4m3(probs * p_mult).float() if pv_format == "fp8" else probs.bfloat16().float()
+        v8 = v_codes[:, :, keys].float()
+        if pv_promote:
+            acc = acc * correction + weight * _tile_pv(p8, v8, pv_accum_bits, torch.zeros_like(acc))
+        else:
+            acc = _tile_pv(p8, v8, pv_accum_bits, acc * correction)
+        running_max = new_max
+    out = acc / (running_sum * p_mult) * v_scales + v_mean
+    return out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+
+
+def bf16_path_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """The current bf16 fast path: bf16 inputs, f32 logits and exp2 online softmax over 128-key tiles,
+    P rounded to bf16 for P·V (l from the f32 P), f32 accumulation, output rounded to bf16.
+
+    Args: as `int8_fp8_attention` (inputs rounded to bfloat16 first). Returns: `[B, Nq, H*D]` bfloat16.
+    """
+    batch, heads, seq, head_dim = query.shape
+    scale_log2 = (head_dim**-0.5 if scale is None else scale) * LOG2E
+    q, k, v = (t.to(torch.bfloat16).float() for t in (query, key, value))
+    running_max = torch.full((batch, heads, seq, 1), float("-inf"))
+    running_sum = torch.zeros((batch, heads, seq, 1))
+    acc = torch.zeros((batch, heads, seq, head_dim))
+    for start in range(0, k.shape[2], K_TILE):
+        logits = (q @ k[:, :, start : start + K_TILE].transpose(-1, -2)) * scale_log2
+        new_max = torch.maximum(running_max, logits.amax(dim=-1, keepdim=True))
+        correction = torch.exp2(running_max - new_max)
+        probs = torch.exp2(logits - new_max)
+        running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
+        acc = acc * correction + probs.bfloat16().float() @ v[:, :, start : start + K_TILE]
+        running_max = new_max
+    out = (acc / running_sum).to(torch.bfloat16)
+    return out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+
+
+def cosine_similarity(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Cosine of the angle between the flattened tensors, in float64."""
+    a, e = actual.double().flatten(), expected.double().flatten()
+    return (a @ e / (a.norm() * e.norm())).item()
+
+
+def rel_l1(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """sum|actual - expected| / sum|expected|, in float64."""
+    expected = expected.double()
+    return ((actual.double() - expected).abs().sum() / expected.abs().sum()).item()
+
+
+def error_metrics(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+    """{"cos", "rel_l1", "rel_l2", "max_abs"} of `actual` against `expected` (same shape)."""
+    metrics = {"cos": cosine_similarity, "rel_l1": rel_l1, "rel_l2": rel_l2, "max_abs": max_abs}
+    return {name: metric(actual, expected) for name, metric in metrics.items()}
+
+
+def study_inputs(
+    kind: InputSet, batch: int, heads: int, seq: int, head_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The study's float32 `[B, H, N, D]` q, k, v: "normal" N(0, 1); "k_offset" ("v_offset") the same plus a
+    5-sigma per-(b, h, channel) offset on K (V) shared by all tokens; "peaky" q and k x4 (logits ~N(0, 16^2))."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, generator=generator) for _ in range(3))
+    offset = 5.0 * torch.randn((batch, heads, 1, head_dim), generator=generator)
+    if kind not in INPUT_SETS:
+        raise ValueError(f"unknown input set {kind!r}; expected one of {INPUT_SETS}")
+    if kind == "peaky":
+        q, k = q * 4.0, k * 4.0
+    return q, k + offset if kind == "k_offset" else k, v + offset if kind == "v_offset" else v

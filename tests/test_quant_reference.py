@@ -1,0 +1,201 @@
+"""The planned 8-bit attention's CPU twin (`quant_reference`) against float64 SDPA, and its quantisers.
+
+Targets (the issue): cosine >= 0.9995 and rel L1 <= 3 x the bf16 path's rel L1 on the same inputs, for
+N(0, 1) inputs, K with a 5-sigma channel offset, and peaky attention (q, k x4). Measured (torch 2.13 CPU,
+B 1, H 1, D 128, N 1000 and 4608; cos / rel L1 as a multiple of the bf16 path's):
+
+* planned scheme (int8 Q/K in 64-row / 128-key blocks, K smoothing, FP8 E4M3 P x448 and V per channel):
+  normal 0.9993 / 10.3-10.5x, K offset 0.9993 / 4.2-4.7x, peaky 0.9978-0.9981 / 6.5-6.9x: misses both
+  targets everywhere. E4M3 rounding of P alone, or of V alone, costs ~2.5% rel L1 (~7x bf16) when V is
+  zero-mean iid, whatever the scales; so these are strict xfails (they fail the day the scheme passes).
+* int8 Q/K per token + bf16 P·V: normal 0.99996 / 2.6x, K offset 0.99996 / 1.1x (met), peaky 0.9991 / 3.4-3.7x.
+* with a 5-sigma V offset (outputs dominated by V's mean) the planned scheme meets both (1.1-1.3x; V smoothing
+  0.16-0.27x), but a 14-bit P·V accumulator that is never promoted to f32 grows to 3.4x at N 4608.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache, partial
+
+import pytest
+import torch
+
+from pictor_diffusers.quant_reference import (
+    FP8_MAX,
+    bf16_path_attention,
+    error_metrics,
+    int8_fp8_attention,
+    quantize_fp8_blocks,
+    quantize_fp8_channels,
+    quantize_int8_blocks,
+    smooth_k,
+    study_inputs,
+    to_e4m3,
+    truncate_mantissa,
+)
+from pictor_diffusers.reference import online_softmax_attention
+from pictor_diffusers.testing.references import attention_float64
+
+COS_TARGET, L1_FACTOR = 0.9995, 3.0
+SETS = ("normal", "k_offset", "peaky")
+SEQS = (1000, 4608)  # 1000: not a multiple of the 64-row / 128-key blocks
+# The planned scheme's measured (1 - cos, rel L1 / bf16 rel L1) per case: the emulation must stay within
+# +-15% / +-10% of them, both ways (unquantised P, for one, drops rel L1 by 22% on normal and K offset).
+MEASURED = {
+    ("normal", 1000): (6.94e-4, 10.46),
+    ("normal", 4608): (7.07e-4, 10.34),
+    ("k_offset", 1000): (6.94e-4, 4.21),
+    ("k_offset", 4608): (7.07e-4, 4.72),
+    ("peaky", 1000): (1.87e-3, 6.89),
+    ("peaky", 4608): (2.16e-3, 6.48),
+}
+PER_TOKEN_BF16_PV = partial(int8_fp8_attention, pv_format="bf16", q_block=1, k_block=1)
+MISSES = "measured below the targets (see the module docstring)"
+
+
+@cache
+def case(kind: str, seq: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, float]:
+    """((q, k, v) B1 H1 D128, their float64 attention, the bf16 path's rel L1), once per session."""
+    qkv = study_inputs(kind, 1, 1, seq, 128, seed=seq)
+    reference = attention_float64(*qkv)
+    return qkv, reference, error_metrics(bf16_path_attention(*qkv), reference)["rel_l1"]
+
+
+def score(scheme: Callable[..., torch.Tensor], kind: str, seq: int) -> tuple[float, float]:
+    """(cosine, rel L1 / bf16 path's rel L1) of `scheme(q, k, v)` on the case."""
+    qkv, reference, bf16_l1 = case(kind, seq)
+    metrics = error_metrics(scheme(*qkv), reference)
+    return metrics["cos"], metrics["rel_l1"] / bf16_l1
+
+
+def cases(xfail: tuple[str, ...] = ()) -> list:
+    """(set, N) params for SETS x SEQS; the sets in `xfail` are strict xfails."""
+    marks = [pytest.mark.xfail(strict=True, reason=MISSES)]
+    return [
+        pytest.param(kind, seq, id=f"{kind}-N{seq}", marks=marks * (kind in xfail)) for kind in SETS for seq in SEQS
+    ]
+
+
+@pytest.mark.parametrize(("kind", "seq"), cases(xfail=SETS))
+def test_planned_scheme_meets_targets(kind: str, seq: int) -> None:
+    cos, l1_factor = score(int8_fp8_attention, kind, seq)
+    assert cos >= COS_TARGET and l1_factor <= L1_FACTOR, f"cos {cos:.5f}, rel L1 {l1_factor:.2f} x bf16"
+
+
+@pytest.mark.parametrize(("kind", "seq"), cases())
+def test_planned_scheme_measured_bounds(kind: str, seq: int) -> None:
+    """The emulation's regression alarm: errors as measured (MEASURED), neither better nor worse."""
+    cos, l1_factor = score(int8_fp8_attention, kind, seq)
+    measured_gap, measured_factor = MEASURED[kind, seq]
+    assert 1 - cos == pytest.approx(measured_gap, rel=0.15), f"cos {cos:.5f}"
+    assert l1_factor == pytest.approx(measured_factor, rel=0.10), f"rel L1 {l1_factor:.2f} x bf16"
+
+
+@pytest.mark.parametrize(("kind", "seq"), cases(xfail=("peaky",)))
+def test_per_token_int8_bf16_pv_meets_targets(kind: str, seq: int) -> None:
+    cos, l1_factor = score(PER_TOKEN_BF16_PV, kind, seq)
+    assert cos >= COS_TARGET and l1_factor <= L1_FACTOR, f"cos {cos:.5f}, rel L1 {l1_factor:.2f} x bf16"
+
+
+@pytest.mark.parametrize("seq", SEQS)
+def test_k_smoothing_needed_for_k_offset(seq: int) -> None:
+    """Without smoothing the 5-sigma K offset eats the int8 range: measured 1.27x the rel L1, cos 0.9989."""
+    cos, l1_factor = score(int8_fp8_attention, "k_offset", seq)
+    raw_cos, raw_factor = score(partial(int8_fp8_attention, k_smoothing=False), "k_offset", seq)
+    assert raw_factor >= 1.15 * l1_factor and raw_cos < cos
+
+
+@pytest.mark.parametrize("kind", SETS)
+def test_fp8_qk_worse_than_int8(kind: str) -> None:
+    """E4M3 Q/K (3 mantissa bits) against int8 (7 bits): measured 1.37x (normal, K offset) to 2.3x (peaky)."""
+    _, l1_factor = score(int8_fp8_attention, kind, 1000)
+    cos_fp8, fp8_factor = score(partial(int8_fp8_attention, qk_format="fp8"), kind, 1000)
+    assert fp8_factor >= 1.2 * l1_factor and cos_fp8 < COS_TARGET
+
+
+@pytest.mark.parametrize("kind", SETS)
+def test_row_p_scale_and_promoted_14_bit_accumulator(kind: str) -> None:
+    """P relative to each tile's max is no worse (measured 0.95-1.0x); a 14-bit P·V accumulator promoted to f32
+    every 128 keys costs nothing on these sets (measured 1.000x)."""
+    _, l1_factor = score(int8_fp8_attention, kind, 4608)
+    assert score(partial(int8_fp8_attention, p_scale="row"), kind, 4608)[1] <= 1.01 * l1_factor
+    assert score(partial(int8_fp8_attention, pv_accum_bits=14), kind, 4608)[1] <= 1.01 * l1_factor
+
+
+def test_v_offset_meets_targets_and_needs_promotion() -> None:
+    """A 5-sigma V offset: the planned scheme meets the targets, V smoothing cuts rel L1 >= 3x (measured 6.8x),
+    and an unpromoted 14-bit accumulator (the running sum of all tiles truncated) misses (measured 3.4x)."""
+    plain = partial(int8_fp8_attention, v_smoothing=False)
+    cos, l1_factor = score(plain, "v_offset", 4608)
+    assert cos >= COS_TARGET and l1_factor <= L1_FACTOR
+    assert score(partial(int8_fp8_attention, v_smoothing=True), "v_offset", 4608)[1] * 3 <= l1_factor
+    assert score(partial(int8_fp8_attention, pv_accum_bits=14, pv_promote=False), "v_offset", 4608)[1] > L1_FACTOR
+
+
+def test_row_p_scale_needs_promotion() -> None:
+    q, k, v = study_inputs("normal", 1, 1, 8, 128, seed=0)
+    with pytest.raises(ValueError, match="pv_promote"):
+        int8_fp8_attention(q, k, v, p_scale="row", pv_promote=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layout_matches_online_softmax_attention(dtype: torch.dtype) -> None:
+    """Token-major [B, Nq, H*D] float32 like the f32 reference, head by head (N 77: partial blocks, Nq != Nk)."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 77, 128, generator=generator).to(dtype)
+    k, v = (torch.randn(2, 3, 200, 128, generator=generator).to(dtype) for _ in range(2))
+    out = int8_fp8_attention(q, k, v)
+    expected = online_softmax_attention(q, k, v, 128**-0.5)
+    assert out.dtype == torch.float32 and out.shape == expected.shape == (2, 77, 384) and out.is_contiguous()
+    for head in range(3):
+        part = slice(128 * head, 128 * (head + 1))
+        assert error_metrics(out[..., part], expected[..., part])["cos"] > 0.998, f"head {head}"
+    assert error_metrics(int8_fp8_attention(q, k, v, scale=0.3), online_softmax_attention(q, k, v, 0.3))["cos"] > 0.998
+
+
+def test_int8_blocks_scales_round_trip_and_clamp() -> None:
+    x = torch.randn(2, 3, 200, 128, generator=torch.Generator().manual_seed(1))  # 200: last block of 8 rows
+    x[0, 1, 70, 5] = 50.0  # only block 1 of (0, 1) sees it
+    x[1, 2, 192:] = 0.0  # an all-zero block: codes 0, no NaN
+    codes, scales = quantize_int8_blocks(x, 64, extra_scale=0.25)
+    assert codes.dtype == torch.int8 and scales.shape == (2, 3, 4) and scales.dtype == torch.float32
+    for block in range(4):
+        rows = x[:, :, 64 * block : 64 * (block + 1)]
+        torch.testing.assert_close(scales[:, :, block], rows.abs().amax(dim=(2, 3)).clamp_min(1e-38) / 127 * 0.25)
+        block_codes = codes[:, :, 64 * block : 64 * (block + 1)].int()
+        assert block_codes.abs().amax(dim=(2, 3))[scales[:, :, block] > 1e-30].eq(127).all(), "absmax -> ±127"
+    assert scales[0, 1, 1] == 50.0 / 127 * 0.25 and scales[0, 1, 0] < 5 / 127
+    assert codes.min() >= -127 and not codes[1, 2, 192:].any() and torch.isfinite(scales).all()
+    step = scales.repeat_interleave(64, dim=2)[:, :, :200, None] / 0.25
+    assert ((codes.float() * step - x).abs() <= step / 2 * (1 + 1e-6)).all(), "error over half a step"
+
+
+def test_fp8_channels_and_blocks() -> None:
+    x = torch.randn(1, 2, 300, 128, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.01, 100, 128)
+    codes, scales = quantize_fp8_channels(x)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (1, 2, 1, 128)
+    torch.testing.assert_close(scales, x.abs().amax(dim=2, keepdim=True) / FP8_MAX)
+    assert codes.float().abs().amax(dim=2).eq(FP8_MAX).all(), "each channel's absmax -> 448 exactly"
+    code_values = codes.float()
+    error = (code_values * scales - x).abs()
+    normal = code_values.abs() >= 2**-6
+    assert (error[normal] <= 2**-4 * x.abs()[normal] * (1 + 1e-5)).all(), "normals: over 2^-4 relative"
+    assert (error[~normal] <= 2**-10 * scales.expand_as(x)[~normal] * (1 + 1e-5)).all(), "subnormals: over half a step"
+    block_codes, block_scales = quantize_fp8_blocks(x, 128)
+    assert block_scales.shape == (1, 2, 3) and block_codes.float().abs().amax(dim=(2, 3)).eq(FP8_MAX).all()
+    assert to_e4m3(torch.tensor([1e4, -1e4, 0.3])).float().tolist() == [448.0, -448.0, 0.3125], "saturate, round"
+
+
+def test_truncate_mantissa() -> None:
+    x = torch.tensor([1 + 2**-13 + 2**-20, -(1 + 2**-13 + 2**-20), 3.0, 0.0])
+    assert truncate_mantissa(x, 14).tolist() == [1 + 2**-13, -(1 + 2**-13), 3.0, 0.0]
+
+
+def test_smooth_k_leaves_softmax_unchanged() -> None:
+    q, k, v = study_inputs("k_offset", 1, 2, 300, 128, seed=4)
+    smoothed, mean = smooth_k(k.double())
+    assert mean.shape == (1, 2, 1, 128) and smoothed.mean(dim=2).abs().max() < 1e-5
+    assert mean.abs().max() > 5, "the offset is what gets removed"
+    shift = (attention_float64(q.double(), smoothed.double(), v) - attention_float64(q, k, v)).abs().max().item()
+    assert shift < 1e-5, shift  # the f32 subtraction's rounding; the softmax itself is invariant
