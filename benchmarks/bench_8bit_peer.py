@@ -1,0 +1,96 @@
+"""The 8-bit peer on the H200: SageAttention 1.0.6 (int8 Q.K per block, fp16 P.V, Triton) beside pictor's
+bf16 kernel and SDPA's cuDNN backend, speed and accuracy on the same inputs.
+
+* Speed: B1, D128, H 24 and 48, N 4608 and 16896 (issue 13's kernel shapes); fresh N(0,1) bf16 inputs;
+  GPU time by CUDA events after warm-up, median; TFLOP/s counted as 4 B H N^2 D / t. SageAttention's time
+  includes its own quantisation (as an 8-bit path's would).
+* Accuracy: B1 H24 N4608, the study's three input sets (`quant_reference.study_inputs`: N(0,1), K with a
+  5-sigma channel offset, peaky q and k x4), rounded to bf16; every method against float64 attention of the
+  same rounded inputs: cosine similarity, relative L1, relative L2, max abs.
+
+    python benchmarks/bench_8bit_peer.py --json benchmarks/results/h200_8bit_peer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pictor_diffusers import attention
+from pictor_diffusers.quant_reference import error_metrics, study_inputs
+from pictor_diffusers.testing.references import attention_float64
+from pictor_diffusers.testing.timing import median_ms
+
+SPEED_SHAPES = [(1, 24, 4608, 128), (1, 48, 4608, 128), (1, 24, 16896, 128), (1, 48, 16896, 128)]
+ACCURACY_SHAPE = (1, 24, 4608, 128)
+Method = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _token_major(out: torch.Tensor) -> torch.Tensor:
+    """`[B, H, N, D]` -> `[B, N, H*D]`, the layout pictor returns."""
+    batch, heads, seq, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+
+def methods() -> dict[str, Method]:
+    """name -> attention of head-major bf16 q, k, v, token-major output."""
+    from sageattention import sageattn
+
+    def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return _token_major(F.scaled_dot_product_attention(q, k, v))
+
+    return {
+        "pictor_bf16": lambda q, k, v: attention(q, k, v),
+        "sdpa_cudnn_bf16": cudnn,
+        "sageattn_1.0.6": lambda q, k, v: _token_major(sageattn(q, k, v, tensor_layout="HND", smooth_k=True)),
+    }
+
+
+def speed_rows(table: dict[str, Method]) -> list[dict]:
+    rows = []
+    for shape in SPEED_SHAPES:
+        generator = torch.Generator(device="cuda").manual_seed(sum(shape))
+        q, k, v = (torch.randn(shape, device="cuda", generator=generator).bfloat16() for _ in range(3))
+        flops = 4 * shape[0] * shape[1] * shape[2] ** 2 * shape[3]
+        for name, run in table.items():
+            ms = median_ms(lambda run=run, qkv=(q, k, v): run(*qkv), warmup=5, timed=20)
+            tflops = flops / ms / 1e9
+            rows.append({"method": name, "shape": shape, "ms": ms, "tflops": tflops})
+            print(f"{name:>16} B{shape[0]} H{shape[1]} N{shape[2]:>5} D{shape[3]}: {ms:8.3f} ms {tflops:7.1f} TFLOP/s")
+    return rows
+
+
+def accuracy_rows(table: dict[str, Method]) -> list[dict]:
+    rows = []
+    for kind in ("normal", "k_offset", "peaky"):
+        q, k, v = (t.cuda().bfloat16() for t in study_inputs(kind, *ACCURACY_SHAPE, seed=7))
+        reference = attention_float64(q, k, v)
+        for name, run in table.items():
+            metrics = error_metrics(run(q, k, v).double(), reference)
+            rows.append({"method": name, "inputs": kind, **metrics})
+            text = " ".join(f"{key} {value:.3e}" for key, value in metrics.items())
+            print(f"{name:>16} {kind:>8}: {text}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    table = methods()
+    with torch.no_grad():
+        record = {"suite": "8bit_peer", "device": torch.cuda.get_device_name()}
+        record["speed"], record["accuracy"] = speed_rows(table), accuracy_rows(table)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
