@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import torch
 from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
+from diffusers.models.transformers import transformer_flux2
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers.models.transformers.transformer_flux2 import (
     Flux2Attention,
     Flux2AttnProcessor,
-    Flux2KVAttnProcessor,
-    Flux2KVParallelSelfAttnProcessor,
     Flux2ParallelSelfAttention,
     Flux2ParallelSelfAttnProcessor,
 )
+
+HAS_KV_PROCESSORS = hasattr(transformer_flux2, "Flux2KVAttnProcessor")
+"""Whether this diffusers has FLUX.2-klein's reference-image KV processors (added after 0.36)."""
 
 TINY_CONFIG = {
     "patch_size": 1,
@@ -103,12 +105,13 @@ def transformer_inputs(
 
 
 def set_kv_processors(model: Flux2Transformer2DModel) -> None:
-    """diffusers' own reference-image KV processors, as `Flux2KleinKVPipeline` installs them."""
+    """diffusers' own reference-image KV processors, as `Flux2KleinKVPipeline` installs them
+    (`HAS_KV_PROCESSORS` says whether this diffusers has them)."""
     for module in model.modules():
         if isinstance(module, Flux2ParallelSelfAttention):
-            module.set_processor(Flux2KVParallelSelfAttnProcessor())
+            module.set_processor(transformer_flux2.Flux2KVParallelSelfAttnProcessor())
         elif isinstance(module, Flux2Attention):
-            module.set_processor(Flux2KVAttnProcessor())
+            module.set_processor(transformer_flux2.Flux2KVAttnProcessor())
 
 
 def set_stock_processors(model: Flux2Transformer2DModel) -> None:
