@@ -1,8 +1,7 @@
 """pictor as a diffusers attention backend ("pictor", "pictor_bf16", "pictor_fp16"), on CPU.
 
-* registration: enum members, registry rows, context parallelism declared, idempotent;
-  feature detection of diffusers' private layout (unknown layouts warn, change
-  nothing); DIFFUSERS_ATTN_BACKEND naming a pictor backend.
+(Registration and diffusers-version robustness: `test_backend_registration.py`.)
+
 * direct calls through `dispatch_attention_fn`: float32 within 1e-5 of native;
   16-bit inputs as accurate as native SDPA; the op runs once per served call;
   Nq != Nk and the log-sum-exp against float64.
@@ -16,14 +15,7 @@
 from __future__ import annotations
 
 import copy
-import enum
-import os
-import subprocess
-import sys
-import types
 import warnings
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,21 +25,12 @@ from diffusers.models import attention_dispatch as dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend, dispatch_attention_fn
 from test_flux1 import attention_modules, build_flux1, count_pictor_calls, flux1_inputs, rel_l2
 
-import pictor_diffusers.backend_call as backend_call
-from pictor_diffusers import register_backends
 from pictor_diffusers.backend import BACKENDS
 
 Registry = dispatch._AttentionBackendRegistry
 NAMES = list(BACKENDS)
 SHAPES = [(1, 46, 2, 32), (2, 130, 3, 64), (1, 1, 1, 8), (1, 257, 2, 128)]  # [B, N, H, D]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def fresh_state() -> Iterator[None]:
-    """Forget the one-time warnings (conftest restores diffusers' active backend)."""
-    backend_call._WARNED.clear()
-    yield
 
 
 def qkv(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
@@ -63,19 +46,6 @@ def sdpa64(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch
 
 def pictor_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if "pictor-diffusers" in str(w.message)]
-
-
-def test_registered_backends() -> None:
-    for name in NAMES:
-        member = AttentionBackendName(name)
-        assert member.value == name and AttentionBackendName[name.upper()] is member and member in AttentionBackendName
-        assert Registry._backends[member]._pictor_backend == name
-        assert Registry._supported_arg_names[member] == Registry._supported_arg_names[AttentionBackendName.NATIVE]
-        assert Registry._is_context_parallel_available(member)
-    size, functions = len(AttentionBackendName), [Registry._backends[AttentionBackendName(n)] for n in NAMES]
-    assert register_backends() == tuple(NAMES)
-    assert len(AttentionBackendName) == size
-    assert functions == [Registry._backends[AttentionBackendName(n)] for n in NAMES]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -334,106 +304,3 @@ def test_profiler_shows_pictor() -> None:
         model(**inputs)
     counts = {e.key: e.count for e in prof.key_averages()}
     assert counts.get("pictor::attention") == attention_modules(model), sorted(k for k in counts if "::" in k)
-
-
-def fake_names(*members: str) -> type[enum.Enum]:
-    return enum.Enum("AttentionBackendName", {m.upper(): m for m in members}, type=str)
-
-
-def fake_registry(names: type[enum.Enum], takes_cp_flag: bool = True, native: bool = True) -> type:
-    """A registry shaped like diffusers' (`register` of 0.36+ with `takes_cp_flag`, of 0.35 without)."""
-    registry = type("Registry", (), {"_backends": {}, "_constraints": {}, "_supported_arg_names": {}})
-    registry._active_backend = names("native")
-
-    def add(backend: enum.Enum, constraints: list | None, func: object) -> object:
-        registry._backends[backend], registry._constraints[backend] = func, constraints or []
-        registry._supported_arg_names[backend] = backend_call.parameters(func)
-        return func
-
-    def register(backend: enum.Enum, constraints: list | None = None, supports_context_parallel: bool = False):
-        return lambda func: add(backend, constraints, func)
-
-    def register_035(backend: enum.Enum, constraints: list | None = None):
-        return lambda func: add(backend, constraints, func)
-
-    registry.register = staticmethod(register if takes_cp_flag else register_035)
-    if native:
-        registry.register(names("native"))(lambda query, key, value, attn_mask=None, **_: value)
-    return registry
-
-
-def unknown_layout(kind: str) -> types.SimpleNamespace:
-    """A dispatcher module missing one piece of the private layout pictor relies on."""
-    names = fake_names("native")
-    layouts = {
-        "empty module": {},
-        "plain enum": {"AttentionBackendName": enum.Enum("N", {"NATIVE": "native"})},
-        "no native member": {"AttentionBackendName": fake_names("flash")},
-        "no registry": {"AttentionBackendName": names},
-        "no tables": {"AttentionBackendName": names, "_AttentionBackendRegistry": type("R", (), {})},
-        "no native backend": {
-            "AttentionBackendName": names,
-            "_AttentionBackendRegistry": fake_registry(names, native=False),
-        },
-    }
-    return types.SimpleNamespace(**layouts[kind])
-
-
-UNKNOWN_LAYOUTS = {
-    "empty module": "no str Enum",
-    "plain enum": "no str Enum",
-    "no native member": "a native member",
-    "no registry": "no _AttentionBackendRegistry",
-    "no tables": "lacks the tables",
-    "no native backend": "no native backend",
-}
-
-
-@pytest.mark.parametrize(("layout", "problem"), UNKNOWN_LAYOUTS.items(), ids=list(UNKNOWN_LAYOUTS))
-def test_unknown_layout_warns_and_changes_nothing(layout: str, problem: str) -> None:
-    fake = unknown_layout(layout)
-    names = getattr(fake, "AttentionBackendName", [])
-    size, real_size = len(names), len(AttentionBackendName)
-    with pytest.warns(RuntimeWarning, match="unknown layout") as caught:
-        assert register_backends(fake) == ()
-    assert problem in str(caught[0].message)
-    assert len(names) == size and len(AttentionBackendName) == real_size
-
-
-@pytest.mark.parametrize("takes_cp_flag", [True, False], ids=["0.36+", "0.35-register"])
-def test_registers_on_a_well_formed_fake(takes_cp_flag: bool) -> None:
-    names = fake_names("native", "flash")
-    fake = types.SimpleNamespace(
-        AttentionBackendName=names, _AttentionBackendRegistry=fake_registry(names, takes_cp_flag)
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert register_backends(fake) == tuple(NAMES)
-    assert [m.value for m in names] == ["native", "flash", *NAMES]
-    query, key, value = qkv((1, 6, 2, 8))
-    served = fake._AttentionBackendRegistry._backends[names("pictor")](query, key, value)
-    assert rel_l2(served, sdpa64(query, key, value)) <= 1e-5
-    with pytest.warns(RuntimeWarning, match="attn_mask"):
-        assert fake._AttentionBackendRegistry._backends[names("pictor_bf16")](query, key, value, query) is value
-
-
-@pytest.mark.parametrize("env", ["pictor_bf16", "_native_math"])
-def test_diffusers_attn_backend_env(env: str) -> None:
-    """A pictor name becomes the active backend; diffusers' own names stay as diffusers set them."""
-    root = Path(__file__).resolve().parents[1]
-    script = (
-        "import pictor_diffusers\n"
-        "from diffusers import FluxTransformer2DModel\n"
-        "from diffusers.models.attention_dispatch import _AttentionBackendRegistry as R\n"
-        "print(R._active_backend.value)\n"
-    )
-    environment = {
-        **os.environ,
-        "DIFFUSERS_ATTN_BACKEND": env,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == env
