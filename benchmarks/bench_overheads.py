@@ -94,12 +94,13 @@ def host_us_per_call(run: object, calls: int = 2000, batches: int = 20) -> float
     return statistics.median(times)
 
 
-def per_call_prologue_overhead(precision_dtype: torch.dtype) -> float:
-    """Host µs per `pack_head_major` call: bf16 projections of 8 text + 56 image tokens, 2 heads of 128."""
+def per_call_prologue_overhead(precision_dtype: torch.dtype, norm_dtype: torch.dtype = torch.float32) -> float:
+    """Host µs per `pack_head_major` call: bf16 projections of 8 text + 56 image tokens, 2 heads of 128;
+    QK-norm weights in `norm_dtype` (a bf16 model's are bf16, and the kernel reads float32 weights)."""
     from pictor_diffusers.prologue import Segment, pack_head_major
 
     heads, head_dim = 2, 128
-    norms = [torch.nn.RMSNorm(head_dim, eps=1e-6).cuda() for _ in range(4)]
+    norms = [torch.nn.RMSNorm(head_dim, eps=1e-6).to("cuda", norm_dtype) for _ in range(4)]
     fused = [torch.randn(1, n, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16) for n in (8, 56)]
     segments = [Segment(*x.chunk(3, dim=-1), *norms[2 * i : 2 * i + 2]) for i, x in enumerate(fused)]
     rope = tuple(torch.randn(64, head_dim, device="cuda") for _ in range(2))
@@ -121,7 +122,7 @@ def main() -> None:
         if dtype == torch.float32:
             others = {f"host_us_per_call_{k}": per_call_overhead(dtype, k)[0] for k in ("tf32x3", "fp16x3")}
         else:
-            others = {}
+            others = {"prologue_host_us_per_call_bf16_norms": per_call_prologue_overhead(dtype, torch.bfloat16)}
         records.append(
             {
                 "suite": "overheads",
