@@ -228,8 +228,8 @@ def windowed_attention(
         query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]` (as `attention` takes them).
         windows: query rows [q_start, q_stop) over keys [k_start, k_stop) each; together
             they must cover rows [0, Nq) once, in order.
-    On CUDA in eager mode each window is one launch into the shared output (no
-    copies); elsewhere each runs `attention` on its slices.
+    On CUDA in eager mode each window is one launch into the shared output (strided
+    inputs are made contiguous once, up front); elsewhere each runs `attention` on its slices.
     """
     check_attention_inputs(query, key, value)
     check_kernel_choice(kernel, query.dtype, out_dtype)
@@ -237,6 +237,7 @@ def windowed_attention(
     scale = query.shape[-1] ** -0.5
     batch, heads, seq_q, head_dim = query.shape
     if query.device.type == "cuda" and not needs_op(query, key, value):
+        query, key, value = (t.contiguous() for t in (query, key, value))
         out = torch.empty((batch, seq_q, heads * head_dim), dtype=out_dtype, device=query.device)
         for window in windows:
             attention_cuda(query, key, value, scale, kernel, out_dtype, out=out, window=window)

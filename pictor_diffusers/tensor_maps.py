@@ -105,14 +105,16 @@ def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
 
 def readable(tensor: torch.Tensor) -> bool:
     """Whether TMA can read the 16-bit `[B, H, N, D]` `tensor` in place: D contiguous, a 16-byte-aligned
-    start, and every other stride of a dimension longer than 1 a multiple of 16 bytes (as head-major and
-    token-major layouts are when D is a multiple of 8)."""
+    start, and every other stride of a dimension longer than 1 a positive multiple of 16 bytes (as
+    head-major and token-major layouts are when D is a multiple of 8; broadcast, stride-0 views are not)."""
     batch, heads, rows, _ = tensor.shape
     batch_stride, head_stride, row_stride, column_stride = tensor.stride()
     if column_stride != 1 or tensor.data_ptr() % 16:
         return False
-    misaligned = (batch > 1 and batch_stride % 8) or (heads > 1 and head_stride % 8) or (rows > 1 and row_stride % 8)
-    return not misaligned
+    strides = [
+        stride for extent, stride in ((batch, batch_stride), (heads, head_stride), (rows, row_stride)) if extent > 1
+    ]
+    return all(stride > 0 and stride % 8 == 0 for stride in strides)
 
 
 def map_at(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:

@@ -1,0 +1,68 @@
+"""Which strided `[B, H, N, D]` 16-bit layouts the Hopper kernel's TMA maps read in place, and the planes a
+window of rows becomes (pure functions of shapes, strides and addresses: checked on CPU tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pictor_diffusers.tensor_maps import Planes, readable, rows_of
+
+SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 1, 1, 128)]  # N 77: not a multiple of the 128-row box
+
+
+def _ids(shape: tuple[int, ...]) -> str:
+    return "B{}H{}N{}D{}".format(*shape)
+
+
+def layouts(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The same `[B, H, N, D]` values laid out several ways."""
+    batch, heads, seq, head_dim = shape
+    storage = torch.randn(batch * heads * seq * head_dim + 8).to(dtype)
+    return {
+        "head_major": storage[: batch * heads * seq * head_dim].view(shape),
+        "token_major": storage[: batch * heads * seq * head_dim].view(batch, seq, heads, head_dim).transpose(1, 2),
+        "row_slice": torch.randn(batch, heads, seq + 5, head_dim).to(dtype)[:, :, :seq],
+        "one_element_in": storage[1 : 1 + batch * heads * seq * head_dim].view(shape),
+        "columns_strided": torch.randn(batch, heads, seq, 2 * head_dim).to(dtype)[..., ::2],
+        "broadcast_heads": torch.randn(batch, 1, seq, head_dim).to(dtype).expand(shape),
+        "broadcast_rows": torch.randn(batch, heads, 1, head_dim).to(dtype).expand(shape),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_readable_layouts(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    tensors = layouts(shape, dtype)
+    aligned = tensors["head_major"].data_ptr() % 16 == 0
+    expected = {
+        "head_major": aligned,
+        "token_major": aligned,
+        "row_slice": True,
+        "one_element_in": False,  # 2 bytes past a 16-byte boundary
+        "columns_strided": False,  # head_dim not contiguous
+        "broadcast_heads": shape[1] == 1,  # a stride-0 dimension longer than 1 is copied, not mapped
+        "broadcast_rows": shape[2] == 1,
+    }
+    got = {name: readable(tensor) for name, tensor in tensors.items()}
+    assert got == expected
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_rows_of_a_token_major_window(shape: tuple[int, ...]) -> None:
+    """Rows [start, stop) of a token-major view: the address moves by start rows of H*D elements, the
+    strides are the view's own, and a dimension of extent 1 gets stride 8."""
+    batch, heads, seq, head_dim = shape
+    tensor = torch.randn(batch, seq, heads, head_dim).bfloat16().transpose(1, 2)
+    start, stop = min(3, seq - 1), seq
+    planes = rows_of(tensor, start, stop)
+    one = lambda extent, stride: stride if extent > 1 else 8  # noqa: E731
+    assert planes == Planes(
+        tensor.data_ptr() + start * heads * head_dim * 2,
+        heads,
+        stop - start,
+        batch,
+        one(heads, head_dim),
+        one(seq, heads * head_dim),
+        one(batch, seq * heads * head_dim),
+    )
