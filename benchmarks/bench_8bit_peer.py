@@ -1,9 +1,11 @@
-"""The 8-bit peer on the H200: SageAttention 1.0.6 (int8 Q.K per block, fp16 P.V, Triton) beside pictor's
-bf16 kernel and SDPA's cuDNN backend, speed and accuracy on the same inputs.
+"""pictor's 8-bit path and its peer on the H200: `attention(kernel="fp8")` and SageAttention 1.0.6 (int8 Q.K
+per block, fp16 P.V, Triton) beside pictor's bf16 kernel and SDPA's cuDNN backend, speed and accuracy on the
+same inputs.
 
 * Speed: B1, D128, H 24 and 48, N 4608 and 16896 (issue 13's kernel shapes); fresh N(0,1) bf16 inputs;
-  GPU time by CUDA events after warm-up, median; TFLOP/s counted as 4 B H N^2 D / t. SageAttention's time
-  includes its own quantisation (as an 8-bit path's would).
+  GPU time by CUDA events after warm-up, median; TFLOP/s counted as 4 B H N^2 D / t. Both 8-bit rows include
+  their quantisation; pictor's is also timed by stage (`pictor_fp8_prepass`: the two quantising launches;
+  `pictor_fp8_kernel`: the attention kernel alone on prepared operands).
 * Accuracy: B1 H24 N4608, the study's three input sets (`quant_reference.study_inputs`: N(0,1), K with a
   5-sigma channel offset, peaky q and k x4), rounded to bf16; every method against float64 attention of the
   same rounded inputs: cosine similarity, relative L1, relative L2, max abs.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,6 +51,7 @@ def methods() -> dict[str, Method]:
 
     return {
         "pictor_bf16": lambda q, k, v: attention(q, k, v),
+        "pictor_fp8": lambda q, k, v: attention(q, k, v, kernel="fp8"),
         "sdpa_cudnn_bf16": cudnn,
         "sageattn_1.0.6": lambda q, k, v: _token_major(sageattn(q, k, v, tensor_layout="HND", smooth_k=True)),
     }
@@ -59,12 +63,40 @@ def speed_rows(table: dict[str, Method]) -> list[dict]:
         generator = torch.Generator(device="cuda").manual_seed(sum(shape))
         q, k, v = (torch.randn(shape, device="cuda", generator=generator).bfloat16() for _ in range(3))
         flops = 4 * shape[0] * shape[1] * shape[2] ** 2 * shape[3]
-        for name, run in table.items():
-            ms = median_ms(lambda run=run, qkv=(q, k, v): run(*qkv), warmup=5, timed=20)
+        runs = {name: (lambda run=run, qkv=(q, k, v): run(*qkv)) for name, run in table.items()}
+        for name, run in {**runs, **fp8_stages(q, k, v)}.items():
+            ms = median_ms(run, warmup=5, timed=20)
             tflops = flops / ms / 1e9
             rows.append({"method": name, "shape": shape, "ms": ms, "tflops": tflops})
             print(f"{name:>16} B{shape[0]} H{shape[1]} N{shape[2]:>5} D{shape[3]}: {ms:8.3f} ms {tflops:7.1f} TFLOP/s")
     return rows
+
+
+def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The 8-bit call's two stages on these inputs: the prepass, and the kernel on operands prepared once."""
+    from pictor_diffusers import runtime
+    from pictor_diffusers.launch import Geometry, _signature, resolve
+    from pictor_diffusers.quantized import quantize, quantized_operands
+
+    batch, heads, seq, head_dim = q.shape
+    variant = resolve("fp8", q.dtype, q.dtype, head_dim, q.device.index, True).variant
+    geometry = Geometry(batch * heads, seq, seq, seq, seq, head_dim, q.dtype, heads, head_dim**-0.5 / math.log(2.0))
+    out = torch.empty(batch, seq, heads * head_dim, dtype=q.dtype, device=q.device)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0)
+    operands, keep = quantized_operands(pointers, geometry, q.device.index)
+    args = (*operands, heads, seq, seq, seq)
+    function = runtime.function(variant, q.device.index)
+    grid, shared, signature = (
+        variant.grid(batch, heads, seq),
+        variant.spec.shared_bytes(head_dim),
+        _signature(variant.spec),
+    )
+
+    def kernel() -> tuple:
+        runtime.launch(function, q.device.index, grid, variant.spec.threads, shared, signature, args)
+        return keep
+
+    return {"pictor_fp8_prepass": lambda: quantize(pointers[:3], geometry, q.device.index), "pictor_fp8_kernel": kernel}
 
 
 def accuracy_rows(table: dict[str, Method]) -> list[dict]:
@@ -72,11 +104,13 @@ def accuracy_rows(table: dict[str, Method]) -> list[dict]:
     for kind in ("normal", "k_offset", "peaky"):
         q, k, v = (t.cuda().bfloat16() for t in study_inputs(kind, *ACCURACY_SHAPE, seed=7))
         reference = attention_float64(q, k, v)
+        bf16_l1 = None
         for name, run in table.items():
             metrics = error_metrics(run(q, k, v).double(), reference)
-            rows.append({"method": name, "inputs": kind, **metrics})
+            bf16_l1 = metrics["rel_l1"] if name == "pictor_bf16" else bf16_l1
+            rows.append({"method": name, "inputs": kind, **metrics, "rel_l1_x_bf16": metrics["rel_l1"] / bf16_l1})
             text = " ".join(f"{key} {value:.3e}" for key, value in metrics.items())
-            print(f"{name:>16} {kind:>8}: {text}")
+            print(f"{name:>16} {kind:>8}: {text} (rel_l1 {metrics['rel_l1'] / bf16_l1:.2f}x bf16's)")
     return rows
 
 

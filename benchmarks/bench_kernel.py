@@ -43,6 +43,7 @@ DEFAULT_ROWS = [
     ("sdpa_math", "fp32"),
     ("sdpa_efficient", "fp32"),
     ("pictor_wgmma", "bf16"),
+    ("pictor_fp8", "bf16"),
     ("pictor_mma16", "bf16"),
     ("sdpa_flash", "bf16"),
     ("sdpa_cudnn", "bf16"),

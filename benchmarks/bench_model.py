@@ -5,9 +5,13 @@ downloaded); 512 text tokens plus the image tokens of a square image
 (1024² -> 4096, 2048² -> 16384). Backends: `stock` (diffusers' processors on
 the native backend, SDPA's default), `stock_math` (the same on SDPA's math
 backend; opt-in), `pictor_fp32` (PictorAttn(precision="fp32"), the parity
-path), `pictor_bf16` (PictorAttn(precision="bf16"), the fast path), and
-`backend_pictor` / `backend_pictor_bf16` (the stock processors with
+path), `pictor_bf16` (PictorAttn(precision="bf16"), the fast path), `pictor_fp8`
+(PictorAttn(precision="fp8"), the 8-bit path), and `backend_pictor` /
+`backend_pictor_bf16` (the stock processors with
 `model.set_attention_backend("pictor" / "pictor_bf16")`).
+`--compile`: every backend, stock included, runs `torch.compile(model, fullgraph=True)` (compiled in the
+warm-up call, not timed). `--fp32-reference`: each row also gets `rel_l2_fp32`, its output against the same
+weights run in float32 with the stock processors (SDPA in float32).
 Default backends: stock,pictor_fp32,pictor_bf16 for FLUX.2; stock,backend_pictor_bf16,pictor_bf16 for FLUX.1.
 Per row: median ms per forward (CUDA events, after a warm-up), `x_stock` (ms /
 stock's ms), peak GPU memory, max-abs and relative L2 of the output against
@@ -78,6 +82,7 @@ BACKENDS = {
     "stock_math": ("stock", "bf16"),
     "pictor_fp32": ("PictorAttn(precision='fp32')", "fp32"),
     "pictor_bf16": ("PictorAttn(precision='bf16')", "bf16"),
+    "pictor_fp8": ("PictorAttn(precision='fp8')", "fp8"),
     "backend_pictor": ("set_attention_backend('pictor')", "fp32"),
     "backend_pictor_bf16": ("set_attention_backend('pictor_bf16')", "bf16"),
 }
@@ -108,16 +113,36 @@ def set_backend(model: torch.nn.Module, backend: str) -> None:
         model.set_attention_backend(backend.removeprefix("backend_"))
 
 
-def run_backend(model: torch.nn.Module, inputs: dict, backend: str, reps: int) -> tuple[torch.Tensor, float, float]:
+def run_backend(
+    model: torch.nn.Module, inputs: dict, backend: str, reps: int, compile_model: bool = False
+) -> tuple[torch.Tensor, float, float]:
     set_backend(model, backend)
+    runner = model
+    if compile_model:
+        torch._dynamo.reset()
+        runner = torch.compile(model, fullgraph=True)
     if backend == "stock_math":
         with sdpa_kernel(SDPBackend.MATH):
-            return time_forward(model, inputs, reps)
-    return time_forward(model, inputs, reps)
+            return time_forward(runner, inputs, reps)
+    return time_forward(runner, inputs, reps)
+
+
+def fp32_reference(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """The model's output with its weights and inputs in float32 and the stock processors; the model is
+    returned to bfloat16 (bf16 -> f32 -> bf16 is exact)."""
+    set_backend(model, "stock")
+    model.float()
+    try:
+        upcast = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+        return model(**upcast)[0]
+    finally:
+        model.to(torch.bfloat16)
 
 
 @torch.no_grad()
-def bench_model(name: str, sizes: list[int], backends: list[str], reps: int) -> list[dict]:
+def bench_model(
+    name: str, sizes: list[int], backends: list[str], reps: int, compile_model: bool = False, reference: bool = False
+) -> list[dict]:
     flux1 = name in FLUX1_MODELS
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
@@ -134,8 +159,9 @@ def bench_model(name: str, sizes: list[int], backends: list[str], reps: int) -> 
         make_inputs = flux1_transformer_inputs if flux1 else transformer_inputs
         inputs = make_inputs(model, batch=1, latent_hw=(latent, latent), text_len=TEXT_TOKENS)
         stock = stock_ms = None
+        exact = fp32_reference(model, inputs).double() if reference else None
         for backend in ["stock", *(b for b in backends if b != "stock")]:
-            out, ms, gib = run_backend(model, inputs, backend, reps)
+            out, ms, gib = run_backend(model, inputs, backend, reps, compile_model)
             if backend == "stock":
                 stock, stock_ms = out, ms
             diff = out.double() - stock.double()
@@ -160,11 +186,16 @@ def bench_model(name: str, sizes: list[int], backends: list[str], reps: int) -> 
                 "rel_l2": (diff.norm() / stock.double().norm()).item(),
                 "finite": bool(torch.isfinite(out).all()),
                 "peak_gib": gib,
+                "compiled": compile_model,
             }
+            if exact is not None:
+                record["rel_l2_fp32"] = ((out.double() - exact).norm() / exact.norm()).item()
             records.append(record)
             print(
                 f"{name:>9} {size}² {backend:>19} {ms:9.1f} ms  peak {gib:6.1f} GiB  "
-                f"rel_l2 {record['rel_l2']:.2e} max_abs {record['max_abs']:.2e}  x{ms / stock_ms:.2f}",
+                f"rel_l2 {record['rel_l2']:.2e} max_abs {record['max_abs']:.2e}  x{ms / stock_ms:.2f}"
+                + (f"  rel_l2_fp32 {record['rel_l2_fp32']:.2e}" if exact is not None else "")
+                + ("  (compiled)" if compile_model else ""),
                 flush=True,
             )
             del out, diff
@@ -186,6 +217,8 @@ def main() -> None:
         f"{DEFAULT_BACKENDS['flux1']} for FLUX.1)",
     )
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True) every backend")
+    parser.add_argument("--fp32-reference", action="store_true", help="also compare each output to float32 stock")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -198,7 +231,11 @@ def main() -> None:
     unknown += [m for m in models if m not in MODEL_CONFIGS]
     if unknown:
         raise SystemExit(f"unknown backends or models: {sorted(unknown)}")
-    records = [r for name in models for r in bench_model(name, sizes, chosen[name], args.reps)]
+    records = [
+        r
+        for name in models
+        for r in bench_model(name, sizes, chosen[name], args.reps, args.compile, args.fp32_reference)
+    ]
     env = environment()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

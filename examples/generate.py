@@ -97,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "fp16", "auto"),
+        choices=("fp32", "bf16", "fp16", "fp8", "auto"),
         default="fp32",
-        help="PictorAttn(precision=...): fp32 parity path, or the 16-bit fast path (CUDA only); "
+        help="PictorAttn(precision=...): fp32 parity path, the 16-bit fast path or the 8-bit path (CUDA only); "
         "auto: the model dtype's 16-bit path for bf16/fp16 models, else fp32",
     )
     parser.add_argument(
@@ -145,7 +145,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if chosen == "auto":
             chosen = f"auto with a {args.attention_precision} model (--dtype {args.attention_precision})"
         parser.error(
-            f"--precision {chosen} runs the 16-bit CUDA kernels, but --device is {args.device!r}; "
+            f"--precision {chosen} runs the {'8' if chosen == 'fp8' else '16'}-bit CUDA kernels, "
+            f"but --device is {args.device!r}; "
             "on the CPU use --precision fp32"
         )
 

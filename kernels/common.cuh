@@ -22,7 +22,8 @@
      fp16 split   pk_split_exponent, pk_split2_f16: f32 -> scaled fp16 hi + lo
      cp.async     pk_smem_addr, pk_cp_async16, pk_cp_async16_zfill,
                   pk_cp_async_commit, pk_cp_async_wait_all
-     Hopper       pk_tensor_map, pk_bar_* (mbarriers), pk_copy_box (TMA),
+     Hopper       pk_tensor_map, pk_bar_* (mbarriers), pk_ring_init (the K/V
+                  ring's mbarriers), pk_copy_box (TMA),
                   pk_wgmma_desc/fence/commit/wait, pk_pin (sm_90a only; unused
                   helpers emit no code, so other targets compile this header)
 
@@ -346,6 +347,26 @@ __device__ __forceinline__ void pk_copy_box(unsigned int dst, const pk_tensor_ma
 __device__ __forceinline__ void pk_warp_arrive(unsigned int bar)
 {
     if ((threadIdx.x & 31u) == 0) pk_bar_arrive(bar);
+}
+
+/* The warp-specialised kernels' mbarriers at `bars`, 8 bytes each: q_full, then k_full[STAGES],
+   v_full[STAGES] (one arrival each: the producer's expect-bytes), k_free[STAGES], v_free[STAGES] (one
+   arrival per consumer warp). Thread 0 initialises them; the whole block then synchronises. */
+template <int STAGES, int CONSUMER_WARPS>
+__device__ __forceinline__ void pk_ring_init(unsigned int bars)
+{
+    if (threadIdx.x == 0) {
+        pk_bar_init(bars, 1);
+        #pragma unroll
+        for (int s = 0; s < STAGES; s++) {
+            pk_bar_init(bars + 8 * (1 + s), 1);
+            pk_bar_init(bars + 8 * (1 + STAGES + s), 1);
+            pk_bar_init(bars + 8 * (1 + 2 * STAGES + s), CONSUMER_WARPS);
+            pk_bar_init(bars + 8 * (1 + 3 * STAGES + s), CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
 }
 
 /* Shared-memory matrix descriptor, 128-byte swizzle; lead and stride in bytes. */

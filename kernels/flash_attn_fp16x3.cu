@@ -313,18 +313,7 @@ joint_attention_fp16x3(
 #endif
     const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 
-    if (threadIdx.x == 0) {
-        pk_bar_init(m.q_full(), 1);
-        #pragma unroll
-        for (int s = 0; s < X3_STAGES; s++) {
-            pk_bar_init(m.k_full(s), 1);
-            pk_bar_init(m.v_full(s), 1);
-            pk_bar_init(m.k_free(s), X3_CONSUMER_WARPS);
-            pk_bar_init(m.v_free(s), X3_CONSUMER_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    pk_ring_init<X3_STAGES, X3_CONSUMER_WARPS>(m.bars);
 
     if (threadIdx.x < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");

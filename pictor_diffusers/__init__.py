@@ -3,6 +3,7 @@
 from pictor_diffusers import PictorAttn
 pipe.transformer.set_attn_processor(PictorAttn())                  # f32-accurate parity path
 pipe.transformer.set_attn_processor(PictorAttn(precision="bf16"))  # 16-bit fast path
+pipe.transformer.set_attn_processor(PictorAttn(precision="fp8"))   # 8-bit path (Hopper, lossy)
 pipe.transformer.set_attention_backend("pictor")                   # any model on diffusers' dispatcher
 
 Importing the package registers the "pictor", "pictor_bf16" and "pictor_fp16"

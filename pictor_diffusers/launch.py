@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import runtime, tensor_maps
-from .registry import KernelSpec, Variant, prologue_variant, split_variant
+from .quantized import quantized_operands
+from .registry import KernelSpec, Variant, prologue_variant, quantize_variant, split_variant
 from .selection import NoKernelError, Problem, Selection, select_kernel
 from .validation import PrologueLayout
 
@@ -66,9 +67,11 @@ def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim
 def _prepare(variant: Variant, device_index: int) -> str | None:
     """Compile and load `variant` (and the driver's tensor maps where it uses them), or say why not."""
     try:
-        if variant.spec.operands == "tensor_maps":
+        if variant.spec.operands in ("tensor_maps", "quantized"):
             tensor_maps.check_driver()
         runtime.function(variant, device_index)
+        if variant.spec.operands == "quantized":
+            runtime.function(quantize_variant(variant.head_dim, variant.in_dtype), device_index)
     except ImportError:
         raise
     except Exception as error:  # a build or load failure disables the kernel with its reason
@@ -201,7 +204,9 @@ def launch_attention(
         ]
         operands, _keep = _with_maps(maps, pointers[3:]), maps
     else:
-        geometry = Geometry(batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype)
+        geometry = Geometry(
+            batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype, heads, scalars["scale_log2"]
+        )
         operands, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
     runtime.launch(
         runtime.function(variant, query.device.index),
@@ -227,7 +232,8 @@ def _signature(spec: KernelSpec) -> tuple[Any, ...]:
 
 
 class Geometry(NamedTuple):
-    """What the operand builders need of a launch: planes (B*H), window rows, pitches, head_dim, dtype."""
+    """What the operand builders need of a launch: planes (B*H), window rows, pitches, head_dim, dtype,
+    heads (H) and the logit scale times log2 e."""
 
     planes: int
     q_count: int
@@ -236,6 +242,8 @@ class Geometry(NamedTuple):
     kv_pitch: int
     head_dim: int
     dtype: torch.dtype
+    heads: int
+    scale_log2: float
 
 
 def _operands(
@@ -243,9 +251,11 @@ def _operands(
 ) -> tuple[tuple[Any, ...], object]:
     """(operand values, what must stay referenced until the launch) of a contiguous-input row's
     operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs
-    the split prepass first."""
+    the split prepass first, "quantized" the 8-bit one."""
     if kind == "pointers":
         return pointers, None
+    if kind == "quantized":
+        return quantized_operands(pointers, geometry, device_index)
     g = geometry
     planes, colmax = split_planes(pointers[:3], geometry, device_index)
     base, half = planes.data_ptr(), 2
@@ -260,7 +270,10 @@ def _operands(
 
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
-_OPERAND_KINDS = {"pointers": (_U64,) * 6, "tensor_maps": _MAP_KINDS, "split_planes": (*_MAP_KINDS, _U64)}
+_OPERAND_KINDS = {
+    "pointers": (_U64,) * 6, "tensor_maps": _MAP_KINDS, "split_planes": (*_MAP_KINDS, _U64),
+    "quantized": (*_MAP_KINDS, _U64, _U64, _U64),
+}  # fmt: skip
 
 
 def _with_maps(maps: list[tuple[ctypes.Array, int]], pointers: tuple[int, ...]) -> tuple[int, ...]:

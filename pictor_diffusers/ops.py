@@ -14,10 +14,13 @@ from __future__ import annotations
 import torch
 
 from .launch import Window, attention_cuda
+from .quant_reference import kernel_twin
 from .reference import online_softmax_attention
+from .registry import eight_bit_kernels
 from .validation import check_attention_inputs, check_kernel_choice, check_key_lens, check_scale
 
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EIGHT_BIT = eight_bit_kernels()
 
 
 def _attention_impl(
@@ -32,6 +35,8 @@ def _attention_impl(
     """Validated inputs -> token-major `[B, Nq, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
     if query.device.type == "cuda":
         return attention_cuda(query, key, value, scale, kernel, out_dtype, key_lens=key_lens)
+    if kernel in EIGHT_BIT:
+        return kernel_twin(query, key, value, scale, key_lens=key_lens).to(out_dtype)
     upcast = tuple(t.float() for t in (query, key, value))
     return online_softmax_attention(*upcast, scale, key_lens=key_lens).to(out_dtype)
 
@@ -50,6 +55,9 @@ def _attention_lse_impl(
     if query.device.type == "cuda":
         lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device)
         return attention_cuda(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens), lse
+    if kernel in EIGHT_BIT:
+        out, lse = kernel_twin(query, key, value, scale, return_lse=True, key_lens=key_lens)
+        return out.to(out_dtype), lse
     upcast = tuple(t.float() for t in (query, key, value))
     out, lse = online_softmax_attention(*upcast, scale, return_lse=True, key_lens=key_lens)
     return out.to(out_dtype), lse
@@ -173,7 +181,8 @@ def attention(
             path): "fp16x3" (Hopper: scaled fp16 hi/lo splits, three wgmma
             products), "tf32x3" (3xTF32 on mma.sync, sm_80+) or "f32" (the
             scalar-FP32 reference). bfloat16 / float16 inputs (the fast path): "wgmma"
-            (Hopper) or "mma16" (sm_80+).
+            (Hopper) or "mma16" (sm_80+); or, by name only, "fp8" (Hopper: int8 Q.K and FP8
+            E4M3 P.V with per-block scales, see the README's precision contract).
         return_lse: also return the natural log-sum-exp of each row's scaled
             logits, `lse[b, n, h] = log(sum_j exp(scale * q[b, h, n] . k[b, h, j]))`,
             `[B, Nq, H]` float32 (the layout diffusers' ring-attention merge uses).
@@ -196,7 +205,8 @@ def attention(
     the family that can run the inputs (`selection.select_kernel`); 16-bit
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
-    (`pictor_diffusers.reference`).
+    (`pictor_diffusers.reference`); "fp8" runs its quantised twin
+    (`pictor_diffusers.quant_reference.kernel_twin`).
     """
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)

@@ -25,6 +25,10 @@ same algorithms run in torch. `precision` picks the contract:
 * "bf16" / "fp16" (speed): norms and RoPE in float32, q/k/v rounded once to the
   16-bit dtype, attention on 16-bit tensor cores with f32 accumulation and f32
   softmax (wgmma on Hopper); as accurate as SDPA's 16-bit kernels.
+* "fp8" (8-bit speed, lossy): norms and RoPE in float32, q/k/v rounded to
+  bf16, then quantised on the GPU (int8 q and smoothed k with per-block
+  scales, E4M3 v per channel) for int8 Q.K and FP8 P.V on Hopper; see the
+  README's precision contract for its measured error.
 * "auto": the 16-bit path in the model's dtype for bf16/fp16 models, "fp32"
   for fp32 models.
 
@@ -47,10 +51,10 @@ from .ops import attention
 from .parallel import check_local_rope, context_parallel, context_parallel_attention
 from .projections import joint_segments
 from .prologue import Rope, Segment, pack_head_major
-from .registry import kernels_for
+from .registry import eight_bit_kernels, kernels_for
 from .validation import OUT_DTYPE_CHOICES
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "auto": None}
 _DOUBLE_STREAM_ARGS = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
 _SINGLE_STREAM_ARGS = ("attention_mask", "image_rotary_emb")
 
@@ -76,7 +80,9 @@ def _reject_mask(attention_mask: torch.Tensor | None) -> None:
 def _check_precision(precision: str, kernel: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    allowed = {"fp32": kernels_for("float32"), "auto": ("auto",)}.get(precision, kernels_for("bfloat16"))
+    allowed = {"fp32": kernels_for("float32"), "auto": ("auto",), "fp8": ("auto", *eight_bit_kernels())}.get(
+        precision, kernels_for("bfloat16", lossy=False)
+    )
     if kernel not in allowed:
         raise ValueError(f"kernel={kernel!r} does not serve precision={precision!r}; choose one of {allowed}")
 
@@ -90,9 +96,9 @@ class PictorAttn:
             the scalar-FP32 kernel otherwise), "fp16x3", "tf32x3" or "f32"
             (the reference). For "bf16"/"fp16": "auto"
             (wgmma on Hopper, mma.sync elsewhere), "wgmma" or "mma16". For
-            "auto": "auto" only.
-        precision: "fp32" (parity, default), "bf16", "fp16" or "auto" (the
-            model's 16-bit dtype where it has one); see the module docstring.
+            "fp8": "auto" or "fp8" (the same kernel). For "auto": "auto" only.
+        precision: "fp32" (parity, default), "bf16", "fp16", "fp8" or "auto"
+            (the model's 16-bit dtype where it has one); see the module docstring.
 
     Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
     `FluxAttention`, and FLUX.2-klein's reference-image KV cache
@@ -111,7 +117,7 @@ class PictorAttn:
 
     def __init__(self, kernel: str = "auto", precision: str = "fp32") -> None:
         _check_precision(precision, kernel)
-        self.kernel = kernel
+        self.kernel = eight_bit_kernels()[0] if precision == "fp8" else kernel
         self.precision = precision
 
     def _compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

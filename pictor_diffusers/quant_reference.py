@@ -1,6 +1,7 @@
-"""8-bit attention (SageAttention2-style) in torch: the numerical twin of a planned Hopper kernel.
+"""8-bit attention (SageAttention2-style) in torch: the numerical twin of the Hopper kernel
+`kernels/flash_attn_fp8.cu` (`kernel="fp8"`), which `kernel_twin` runs for CPU tensors.
 
-What the kernel will do, tile by tile, emulated on CPU in float32:
+What the kernel does, tile by tile, emulated in float32:
 
 * K smoothing: K minus its mean over tokens per (b, h, channel); each row's logits shift by one constant,
   so softmax is unchanged, but the int8 range goes to what varies between keys.
@@ -128,7 +129,8 @@ def int8_fp8_attention(
     pv_format: Literal["fp8", "bf16"] = "fp8",
     q_block: int = Q_BLOCK,
     k_block: int = K_TILE,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention with 8-bit Q·K^T and FP8 P·V, emulating the planned kernel (see the module doc).
 
     Args:
@@ -146,9 +148,10 @@ def int8_fp8_attention(
         pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
             SageAttention1-style alternative).
         q_block, k_block: rows per Q scale and keys per K scale (1 = per token); defaults 64 and 128.
+        return_lse: also return each row's natural log-sum-exp of its (quantised) scaled logits.
 
     Returns:
-        token-major `[B, Nq, H*D]` float32.
+        token-major `[B, Nq, H*D]` float32; with `return_lse`, also the LSE `[B, Nq, H]` float32.
     """
     if not pv_promote and p_scale != "fixed":
         raise ValueError(f"p_scale={p_scale!r} rescales each tile's P·V, so it needs pv_promote=True")
@@ -168,9 +171,9 @@ def int8_fp8_attention(
     q8 = q_codes.float()
     q_row_scales = _per_row(q_scales, q_block, seq)
     k_col_scales = _per_row(k_scales, k_block, k.shape[2]).transpose(-1, -2)
-    running_max = torch.full((batch, heads, seq, 1), float("-inf"))
-    running_sum = torch.zeros((batch, heads, seq, 1))
-    acc = torch.zeros((batch, heads, seq, head_dim))
+    running_max = torch.full((batch, heads, seq, 1), float("-inf"), device=q8.device)
+    running_sum = torch.zeros((batch, heads, seq, 1), device=q8.device)
+    acc = torch.zeros((batch, heads, seq, head_dim), device=q8.device)
     for start in range(0, k.shape[2], K_TILE):
         keys = slice(start, start + K_TILE)
         logits = (q8 @ k_codes[:, :, keys].float().transpose(-1, -2)) * (q_row_scales * k_col_scales[..., keys])
@@ -189,7 +192,41 @@ def int8_fp8_attention(
             acc = _tile_pv(p8, v8, pv_accum_bits, acc * correction)
         running_max = new_max
     out = acc / (running_sum * p_mult) * v_scales + v_mean
-    return out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+    out = out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
+    if not return_lse:
+        return out
+    return out, ((running_max + torch.log2(running_sum)) * math.log(2.0)).squeeze(-1).transpose(1, 2).contiguous()
+
+
+def kernel_twin(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    return_lse: bool = False,
+    key_lens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`kernel="fp8"` in torch: `int8_fp8_attention` with the kernel's scheme, batch by batch over the first
+    `key_lens[b]` keys when given (a batch with none gets rows of 0 and LSE -inf, as the kernel writes).
+
+    Returns token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
+    """
+    if key_lens is None:
+        out, lse = int8_fp8_attention(query, key, value, scale, return_lse=True)
+        return (out, lse) if return_lse else out
+    outs, lses = [], []
+    _, heads, seq, head_dim = query.shape
+    for b, count in enumerate(key_lens.clamp(0, key.shape[2]).tolist()):
+        if count == 0:
+            outs.append(torch.zeros((1, seq, heads * head_dim), device=query.device))
+            lses.append(torch.full((1, seq, heads), float("-inf"), device=query.device))
+            continue
+        rows = slice(b, b + 1)
+        out, lse = int8_fp8_attention(query[rows], key[rows, :, :count], value[rows, :, :count], scale, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs)
+    return (out, torch.cat(lses)) if return_lse else out
 
 
 def bf16_path_attention(

@@ -38,6 +38,11 @@ def _wgmma_smem(d: int) -> int:
     return 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3)
 
 
+def _fp8_smem(d: int) -> int:
+    """Q, four stages of K and V^T (128 x 128 one-byte codes each), mbarriers."""
+    return 1024 + (1 + 2 * 4) * 128 * d + 8 * (1 + 4 * 4)
+
+
 def _fp16x3_smem(d: int) -> int:
     """Q hi + lo (128 rows), two stages of K and V hi + lo (64 rows), mbarriers."""
     return 1024 + 2 * 128 * d * 2 + 2 * 4 * 64 * d * 2 + 8 * (1 + 4 * 2)
@@ -65,7 +70,8 @@ class KernelSpec:
 
     Attributes:
         name: the `kernel=` name users pass.
-        family: "fp32" (the parity path, f32 inputs) or "16bit" (the fast path).
+        family: "fp32" (the parity path, f32 inputs), "16bit" (the fast path) or "8bit" (16-bit inputs
+            quantised to 8 bits; never chosen by "auto", only by name).
         source, entry: file in `kernels/` and its `extern "C"` symbol.
         in_dtypes, out_dtypes: dtype names it reads and writes ("same": the input's).
         head_dims: head_dims it computes exactly.
@@ -84,7 +90,9 @@ class KernelSpec:
         operands: "pointers" (q, k, v, out, lse, key_lens), "tensor_maps" (TMA maps of q, k, v; out,
             lse and key_lens pointers) or "split_planes" (`SPLIT` first turns f32 q, k, v into scaled
             fp16 hi/lo planes; the kernel takes TMA maps of the planes, out, lse, key_lens and the
-            split's column maxima). Every pointer is the first row of the launch's window; lse and
+            split's column maxima) or "quantized" (`QUANTIZE` first turns 16-bit q, k, v into int8 q and k
+            and E4M3 V^T with per-block scales; the kernel takes TMA maps of the codes, out, lse, key_lens
+            and the q, k and v scales). Every pointer is the first row of the launch's window; lse and
             key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
     """
@@ -116,6 +124,13 @@ class KernelSpec:
         return (in_dtype,) if self.out_dtypes == "same" else self.out_dtypes
 
 
+_WARP_SPECIALISED = {
+    "head_dims": (128,), "min_capability": (9, 0), "exact_capability": (9, 0), "arch_suffix": "a",
+    "threads": 384, "rows_per_block": 128, "flags": (),
+}  # fmt: skip
+"""What the three Hopper rows share: sm_90a only, a producer and two consumer warpgroups, 128-row query
+blocks, head_dim 128, no -ftz (fp16x3 keeps subnormal scale factors)."""
+
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         name="fp16x3",
@@ -124,17 +139,11 @@ KERNELS: tuple[KernelSpec, ...] = (
         entry="joint_attention_fp16x3",
         in_dtypes=("float32",),
         out_dtypes=("float32", *HALF_DTYPES),
-        head_dims=(128,),
-        min_capability=(9, 0),
-        exact_capability=(9, 0),
-        arch_suffix="a",
-        threads=384,
-        rows_per_block=128,
+        **_WARP_SPECIALISED,
         shared_bytes=_fp16x3_smem,
         prefix="X3_",
         geometry={"BQ": "128", "BK": "64", "STAGES": "2", "THREADS": "384"},
         kinds=("OUT_KIND",),
-        flags=(),
         operands="split_planes",
         scalars=MAP_SCALARS,
     ),
@@ -145,19 +154,28 @@ KERNELS: tuple[KernelSpec, ...] = (
         entry="joint_attention_wgmma",
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
-        head_dims=(128,),
-        min_capability=(9, 0),
-        exact_capability=(9, 0),
-        arch_suffix="a",
-        threads=384,
-        rows_per_block=128,
+        **_WARP_SPECIALISED,
         shared_bytes=_wgmma_smem,
         prefix="WG_",
         geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
         kinds=("IN_KIND",),
-        flags=(),
         operands="tensor_maps",
         scalars=MAP_SCALARS,
+    ),
+    KernelSpec(
+        name="fp8",
+        family="8bit",
+        source="flash_attn_fp8.cu",
+        entry="joint_attention_fp8",
+        in_dtypes=HALF_DTYPES,
+        out_dtypes="same",
+        **_WARP_SPECIALISED,
+        shared_bytes=_fp8_smem,
+        prefix="F8_",
+        geometry={"BQ": "128", "BK": "128", "STAGES": "4", "THREADS": "384"},
+        kinds=("IN_KIND",),
+        operands="quantized",
+        scalars=("heads", "seq_q", "seq_k", "out_pitch"),
     ),
     KernelSpec(
         name="mma16",
@@ -221,12 +239,19 @@ def family_of(in_dtype: str) -> str:
     return "fp32" if in_dtype == "float32" else "16bit"
 
 
-def kernels_for(in_dtype: str) -> tuple[str, ...]:
-    """The `kernel=` names that take `in_dtype` inputs, "auto" first."""
-    return ("auto", *(spec.name for spec in KERNELS if spec.family == family_of(in_dtype)))
+def kernels_for(in_dtype: str, lossy: bool = True) -> tuple[str, ...]:
+    """The `kernel=` names that take `in_dtype` inputs, "auto" first; `lossy`: with the 8-bit kernels
+    (16-bit inputs only)."""
+    families = (family_of(in_dtype), "8bit") if lossy and in_dtype in HALF_DTYPES else (family_of(in_dtype),)
+    return ("auto", *(spec.name for spec in KERNELS if spec.family in families))
 
 
-ATTENTION_FAMILIES = ("fp32", "16bit")
+def eight_bit_kernels() -> tuple[str, ...]:
+    """The `kernel=` names of the 8-bit family."""
+    return tuple(spec.name for spec in KERNELS if spec.family == "8bit")
+
+
+ATTENTION_FAMILIES = ("fp32", "16bit", "8bit")
 
 
 @dataclass(frozen=True)
@@ -251,8 +276,8 @@ class Variant:
         spec = self.spec
         name, suffix = spec.head_define
         values = {name: f"{self.head_dim}{suffix}"}
-        kinds = {"IN_KIND": KINDS[self.in_dtype], "OUT_KIND": KINDS[self.out_dtype]}
-        values.update((kind, str(kinds[kind])) for kind in spec.kinds)
+        dtypes = {"IN_KIND": self.in_dtype, "OUT_KIND": self.out_dtype}
+        values.update((kind, str(KINDS[dtypes[kind]])) for kind in spec.kinds)
         if spec.family in ATTENTION_FAMILIES:
             values["KEY_LENS"] = str(int(self.key_lens))
         if spec.smem_define:
@@ -327,6 +352,35 @@ SPLIT = KernelSpec(
     scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch"),
 )
 """The fp16x3 kernel's prepass: f32 q, k, v -> scaled float16 hi/lo planes (two phases, one entry)."""
+
+
+QUANTIZE = KernelSpec(
+    name="quantize8",
+    family="prepass",
+    source="quantize_qkv8.cu",
+    entry="quantize_qkv8",
+    in_dtypes=HALF_DTYPES,
+    out_dtypes=("int8",),
+    head_dims=(128,),
+    min_capability=(8, 9),
+    threads=256,
+    rows_per_block=128,
+    shared_bytes=lambda d: 0,
+    prefix="QZ_",
+    geometry={"THREADS": "256", "CHUNKS": "16"},
+    kinds=("IN_KIND",),
+    smem_define=False,
+    flags=(),
+    scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch", "scale_log2"),
+)
+"""The 8-bit kernel's prepass: 16-bit q, k, v -> int8 q, smoothed int8 k, E4M3 V^T and their scales
+(two phases, one entry)."""
+
+
+@functools.cache
+def quantize_variant(head_dim: int, in_dtype: str) -> Variant:
+    """The quantising prepass build for `head_dim` (128) and `in_dtype` (bfloat16 or float16) inputs."""
+    return Variant(QUANTIZE, head_dim, in_dtype, "int8")
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""TMA tensor maps (`CUtensorMap`) of strided `[B, H, N, D]` 16-bit tensors, for the Hopper kernels.
+"""TMA tensor maps (`CUtensorMap`) of strided `[B, H, N, D]` 16-bit tensors (and of the 8-bit kernel's
+byte codes), for the Hopper kernels.
 
 A map is 128 opaque bytes encoded by the driver (`cuTensorMapEncodeTiled`,
 through ctypes) that the kernel takes by value (`__grid_constant__`). A map
@@ -18,17 +19,18 @@ from typing import NamedTuple
 
 import torch
 
-BOX_COLUMNS, BOX_ROWS = 64, 128
-"""One copy: 64 head_dim columns (128 bytes, the swizzle span) x 1 head x 128 rows (by default) x 1 batch."""
-_DTYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+BOX_BYTES, BOX_ROWS = 128, 128
+"""One copy: 128 bytes of D (the swizzle span: 64 16-bit or 128 8-bit columns) x 1 head x 128 rows (by
+default) x 1 batch."""
+_DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.uint8: 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 CACHE_SIZE = 256
 
 
 class Planes(NamedTuple):
-    """Where a window of rows of a strided `[B, H, N, D]` 16-bit tensor lies: its first row's address
+    """Where a window of rows of a strided `[B, H, N, D]` tensor lies: its first row's address
     (16-byte aligned), the extents and the strides of heads, rows and batches, in elements (each a
-    multiple of 8, i.e. of 16 bytes; D is contiguous)."""
+    multiple of 16 bytes; D is contiguous)."""
 
     pointer: int
     heads: int
@@ -62,7 +64,7 @@ def check_driver() -> None:
 
 
 def _encode(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int) -> tuple[ctypes.Array, int]:
-    """Map of `planes` as rank 4 (head_dim, heads, rows, batches), box 64 x 1 x `box_rows` x 1.
+    """Map of `planes` as rank 4 (head_dim, heads, rows, batches), box 128 bytes x 1 x `box_rows` x 1.
 
     128-byte swizzle; reads past `rows` are zero-filled by the copy engine.
     Returns (owning buffer, 64-byte-aligned map address).
@@ -70,8 +72,9 @@ def _encode(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int) ->
     buffer = ctypes.create_string_buffer(128 + 64)
     address = (ctypes.addressof(buffer) + 63) & ~63
     dims = (ctypes.c_uint64 * 4)(head_dim, planes.heads, planes.rows, planes.batches)
-    strides = (ctypes.c_uint64 * 3)(2 * planes.head_stride, 2 * planes.row_stride, 2 * planes.batch_stride)
-    box = (ctypes.c_uint32 * 4)(BOX_COLUMNS, 1, box_rows, 1)
+    size = dtype.itemsize
+    strides = (ctypes.c_uint64 * 3)(size * planes.head_stride, size * planes.row_stride, size * planes.batch_stride)
+    box = (ctypes.c_uint32 * 4)(BOX_BYTES // size, 1, box_rows, 1)
     unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     status = _driver().cuTensorMapEncodeTiled(
         address, _DTYPES[dtype], 4, planes.pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0

@@ -69,12 +69,12 @@ def test_valid_input_passes_with_the_model_dependent_defaults(generate: types.Mo
     assert args.guidance is None, "guidance is filled in from the loaded pipeline"
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_16bit_precision_on_the_cpu_is_refused(
-    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], precision: str
+@pytest.mark.parametrize(("precision", "bits"), [("bf16", 16), ("fp16", 16), ("fp8", 8)])
+def test_fast_precisions_on_the_cpu_are_refused(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], precision: str, bits: int
 ) -> None:
     error = usage_error(generate, capsys, "--precision", precision, "--device", "cpu")
-    assert f"--precision {precision} runs the 16-bit CUDA kernels, but --device is 'cpu'" in error
+    assert f"--precision {precision} runs the {bits}-bit CUDA kernels, but --device is 'cpu'" in error
 
 
 def test_auto_precision_of_a_16bit_model_on_the_cpu_is_refused(

@@ -82,6 +82,7 @@ CASES = {
     "fp32-stock": Case(precision=None),
     "bf16": Case(precision="bf16", dtype=torch.bfloat16),
     "bf16-stock": Case(precision=None, dtype=torch.bfloat16),
+    "fp8": Case(precision="fp8", dtype=torch.bfloat16),
     "heads-3": Case(heads=3),
     "ids-2d": Case(ids_2d=True),
     "backward": Case(backward=True),
@@ -216,6 +217,19 @@ def test_bf16_within_stock_error(parallel: tuple[Mode, dict]) -> None:
     bound = BF16_FLOOR if stock is None else max(BF16_FACTOR * stock, BF16_FLOOR)
     assert served(results, "bf16").dtype == torch.bfloat16
     assert ours <= bound, f"PictorAttn bf16 {mode.name} max rel {ours:.3e} > {bound:.3e} (stock {stock:.3e})"
+
+
+def test_fp8_within_its_own_quantisation_error(parallel: tuple[Mode, dict]) -> None:
+    """The 8-bit path (its CPU twin here) quantises each rank's key block on its own under ring attention, so
+    it may differ from one process by its own quantisation noise (two independent draws of it: about 2x
+    fp8's distance from bf16, measured 2.0x under ring2 and 1.0x under unified2x2): bound by 3x."""
+    mode, results = parallel
+    alone = single_process("fp8", mode.world)
+    ours = max_rel(served(results, "fp8"), alone)
+    noise = max_rel(alone, single_process("bf16", mode.world))
+    print(f"{mode.name} fp8: max rel {ours:.2e} from one process (fp8 vs bf16 in one process: {noise:.2e})")
+    assert served(results, "fp8").dtype == torch.bfloat16
+    assert ours <= max(3.0 * noise, BF16_FLOOR), f"fp8 {mode.name} max rel {ours:.3e} > 3 x {noise:.3e}"
 
 
 def test_ring_alone_serves_any_head_count(parallel: tuple[Mode, dict]) -> None:

@@ -8,6 +8,8 @@ Outputs are NaN-poisoned before every launch; inputs are fresh random draws.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def test_split_planes_hold_22_bits(seq: int) -> None:
 
     query, key, value = random_qkv(2, 3, seq, 128, seed=seq)
     value = value * torch.logspace(-3, 3, 128, device="cuda")
-    geometry = Geometry(6, seq, seq, seq, seq, 128, torch.float32)
+    geometry = Geometry(6, seq, seq, seq, seq, 128, torch.float32, 3, 128**-0.5 / math.log(2.0))
     flat, colmax = split_planes((query.data_ptr(), key.data_ptr(), value.data_ptr()), geometry, query.device.index)
     planes = flat.view(3, 2, 6, seq, 128)
     for index, tensor in enumerate((query, key, value)):

@@ -8,7 +8,7 @@
   the compile by `#error`, and a wrong value fails a kernel `static_assert`.
 * Where ptxas is on PATH: one block fits the register file, and no variant
   that runs FLUX.2 spills.
-* The wgmma cubin is a complete ELF whose SASS holds HGMMA and no local memory.
+* The wgmma cubins are complete ELFs whose SASS holds HGMMA (IGMMA and QGMMA for fp8) and no local memory.
 
 Tests skip with the reason when CuPy (NVRTC), ptxas or a disassembler is absent.
 """
@@ -27,9 +27,11 @@ from pictor_diffusers.registry import (
     BY_NAME,
     KERNELS,
     PROLOGUE,
+    QUANTIZE,
     SPLIT,
     Variant,
     prologue_variant,
+    quantize_variant,
     split_variant,
     variants,
 )
@@ -41,14 +43,17 @@ PROLOGUES = tuple(
     for dtype in PTX_TYPE | {"float32": ""}
     for out in {"float32", dtype}
 )
-PREPASSES = (split_variant(128),)
+PREPASSES = (split_variant(128), quantize_variant(128, "bfloat16"), quantize_variant(128, "float16"))
 ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES + PREPASSES
 MAY_SPILL = {"f32_d256_float32_to_float32", "f32_d384_float32_to_float32"}
 """Wide scalar-kernel builds (head_dim > 128: no FLUX.2 model) may spill; they warn instead."""
 
 
 def archs(variant: Variant) -> list[str]:
-    return [variant.arch((9, 0))] if variant.spec.arch_suffix else ["sm_80", "sm_90"]
+    """The targets a variant is checked on: its arch-specific one, else sm_80 and sm_90 where it runs."""
+    if variant.spec.arch_suffix:
+        return [variant.arch((9, 0))]
+    return [f"sm_{a}{b}" for a, b in ((8, 0), (9, 0)) if (a, b) >= variant.spec.min_capability]
 
 
 BUILDS = [(v, arch) for v in ALL for arch in archs(v)]
@@ -74,6 +79,13 @@ def _family_instructions(variant: Variant, ptx: str) -> None:
         mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32" if name == "mma16" else r"wgmma\.mma_async\.\S*f32"
         assert re.search(rf"\b{mma}\.{kind}\.{kind}\b", ptx), f"no {kind} tensor-core product in {variant.name}"
         assert not re.search(rf"\b(?:w?g?mma)\S*\.{other}\.{other}\b", ptx), f"{variant.name} multiplies {other}"
+    elif name == "fp8":
+        assert re.search(r"\bwgmma\.mma_async\.sync\.aligned\.m64n128k32\.s32\.s8\.s8\b", ptx), "no int8 Q.K wgmma"
+        assert re.search(r"\bwgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3\b", ptx), "no E4M3 P.V"
+        conversions = len(re.findall(r"\bcvt\.rn\.f32\.s32\b", ptx))  # the epilogue's log2f has one per row
+        assert conversions <= 4, f"{conversions} s32 -> f32 I2F conversions: the scores' bias trick is gone"
+    elif name == "quantize8":
+        assert re.search(r"\bcvt\.rn\.satfinite\.e4m3x2\.f32\b", ptx), "no E4M3 conversion in the prepass"
 
 
 @needs_cupy
@@ -101,7 +113,7 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
 @needs_cupy
 def test_defines_reach_nvrtc() -> None:
     """Every variant of a source compiles to different code: its -D options are used."""
-    for spec in (*KERNELS, PROLOGUE, SPLIT):
+    for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
         builds = [(v, arch) for v, arch in BUILDS if v.spec is spec and arch == archs(v)[-1]]
         ptxs = {v.name: ptx_for(v, arch) for v, arch in builds}
         assert builds, f"no {spec.name} build"
@@ -166,7 +178,7 @@ def _run(command: list[str]) -> str:
     return result.stdout
 
 
-WGMMA = variants(BY_NAME["wgmma"]) + variants(BY_NAME["fp16x3"])
+WGMMA = variants(BY_NAME["wgmma"]) + variants(BY_NAME["fp16x3"]) + variants(BY_NAME["fp8"])
 
 
 @needs_cupy
@@ -183,7 +195,9 @@ def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
         pytest.skip("no cuobjdump or nvdisasm on PATH or beside ptxas: SASS not checked")
     path = tmp_path / f"{variant.name}.cubin"
     path.write_bytes(cubin)
-    assert "HGMMA" in _run([*tool, str(path)]), f"{variant.name}: no HGMMA in the SASS"
+    sass = _run([*tool, str(path)])
+    for instruction in ("IGMMA", "QGMMA") if variant.spec.name == "fp8" else ("HGMMA",):
+        assert instruction in sass, f"{variant.name}: no {instruction} in the SASS"
     if Path(tool[0]).name == "cuobjdump":
         local = re.search(r"LOCAL:(\d+)", _run([tool[0], "-res-usage", str(path)]))
         assert local is not None and int(local.group(1)) == 0, f"{variant.name} uses local memory"
@@ -205,7 +219,7 @@ def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.M
 def test_sources_hold_the_entries() -> None:
     from pictor_diffusers.sources import read_source
 
-    for spec in (*KERNELS, PROLOGUE, SPLIT):
+    for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
         source = read_source(spec.source)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
         assert '#include "common.cuh"' in source, f"{spec.source} does not use the shared header"

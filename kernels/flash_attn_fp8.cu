@@ -1,0 +1,349 @@
+/* flash_attn_fp8.cu: 8-bit joint attention on Hopper tensor cores (pictor-diffusers).
+
+   Algorithm: flash-attention forward, non-causal (key padding in the
+   F8_KEY_LENS=1 build), with flash_attn_wgmma.cu's warp-specialised schedule:
+   a TMA producer warpgroup, two consumer warpgroups of 64 query rows that
+   issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and run tile j's
+   softmax while P.V is in flight. The operands come from quantize_qkv8.cu:
+     * S = Q K^T on int8 codes (wgmma s8 x s8 -> s32, exact; K smoothed), then
+       times q_scale[64-row block] * k_scale[128-key tile] (the logit scale
+       and log2 e are folded into q_scale): one factor per warpgroup and tile.
+       s32 -> f32 without I2F: int x + 0x4B400000 is the f32 1.5 * 2^23 + x
+       exactly for |x| < 2^22 (|x| <= 128 * 127^2 here), and the bias is
+       folded into the softmax's FFMA offset.
+     * online softmax in f32, exp2 domain; P = 448 * 2^(s - m) (the E4M3
+       maximum folded into the exponent) rounded to FP8 E4M3 (satfinite).
+     * O += P V on FP8 E4M3 (wgmma e4m3 x e4m3 -> f32): each tile's four k32
+       steps accumulate into the f32 O registers, no long low-precision sums.
+     * out = O * v_scale[d] / l, l the row sum of 448 * 2^(s - m).
+   The P registers need no shuffle: S's accumulator holds, per thread and
+   32-key chunk, keys {2t, 2t+1, 8+2t, 8+2t+1} (+16) of rows g and g+8, and
+   the FP8 A fragment wants logical keys 4t..4t+3 (+16) of the same rows; the
+   prepass writes V^T with each 32-key chunk permuted the same way:
+       logical L = 16 h + 4 t + e  <->  physical key 16 h + 8 (e >> 1) + 2 t + (e & 1).
+
+   Launch geometry (-D F8_D, F8_IN_KIND, F8_BQ, F8_BK, F8_STAGES, F8_THREADS,
+   F8_SMEM_BYTES, F8_KEY_LENS from the host; static_asserts check them):
+       grid  = (ceil(seq_q / 128), num_heads, batch)
+       block = 384 threads = 3 warpgroups (producer, 2 consumers)
+       dynamic shared memory = 1024 + (1 + 2 F8_STAGES) * 16384 + 8 (1 + 4 F8_STAGES):
+           Q, F8_STAGES x (K, V^T) tiles of 128 x 128 bytes in TMA's 128-byte
+           swizzle, then the mbarriers (164,928 bytes at F8_STAGES = 4).
+   Layout (one plane per batch and head, windows of rows offset by the host):
+       q8, k8 : int8 [batch][num_heads][seq_q or seq_k][128] (tensor maps, box
+                128 x 1 x 128 x 1; rows past the window zero-filled)
+       vt8    : E4M3 [batch][num_heads][128][k_pad], keys permuted in 32-key
+                chunks, k_pad = 128 * ceil(seq_k / 128), zero past seq_k
+       q_scale: f32 [batch * num_heads][ceil(seq_q / 64)]
+       k_scale: f32 [batch * num_heads][k_pad / 128]
+       v_scale: f32 [batch * num_heads][128]
+       out    : token-major [batch, out_pitch, num_heads * 128], F8_IN_KIND
+                (1 bfloat16, 2 float16)
+       lse    : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
+       key_lens: [batch] i32 or null (F8_KEY_LENS=1 build only), as in
+                flash_attn_wgmma.cu
+   Precision: int8 Q.K with per-block scales (exact products), FP8 E4M3 P and
+   V (3 mantissa bits), f32 softmax and accumulation, the output rounded once
+   to nearest even. Needs sm_90a. */
+
+#include "common.cuh"
+
+#if !defined(F8_D) || !defined(F8_IN_KIND) || !defined(F8_BQ) || !defined(F8_BK) || !defined(F8_STAGES) \
+    || !defined(F8_THREADS) || !defined(F8_SMEM_BYTES) || !defined(F8_KEY_LENS)
+#error "flash_attn_fp8.cu needs -D F8_D, F8_IN_KIND, F8_BQ, F8_BK, F8_STAGES, F8_THREADS, F8_SMEM_BYTES, F8_KEY_LENS"
+#endif
+#if F8_D != 128 || F8_BQ != 128 || F8_BK != 128 || F8_THREADS != 384
+#error "the 8-bit kernel is written for head_dim 128, 128 x 128 tiles and 384 threads"
+#endif
+#if F8_IN_KIND != 1 && F8_IN_KIND != 2
+#error "F8_IN_KIND (the output dtype) must be 1 (bfloat16) or 2 (float16)"
+#endif
+
+#define F8_CONSUMER_WARPS 8
+#define F8_TILE_BYTES (128 * 128)
+#define F8_BIAS 0x4B400000
+#define F8_BIAS_F 12582912.f
+#define F8_LOG2_P_SCALE 8.807354922057604f   /* log2(448) */
+static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + 8 * (1 + 4 * F8_STAGES),
+              "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | mbarriers");
+static_assert(F8_SMEM_BYTES <= 227 * 1024, "F8_SMEM_BYTES exceeds sm_90's 227 KiB per block");
+
+#define F8_R8(a, i) "+r"(a[i]), "+r"(a[i + 1]), "+r"(a[i + 2]), "+r"(a[i + 3]), \
+                    "+r"(a[i + 4]), "+r"(a[i + 5]), "+r"(a[i + 6]), "+r"(a[i + 7])
+#define F8_R64(a) F8_R8(a, 0), F8_R8(a, 8), F8_R8(a, 16), F8_R8(a, 24), \
+                  F8_R8(a, 32), F8_R8(a, 40), F8_R8(a, 48), F8_R8(a, 56)
+
+/* s (+)= A B^T on int8 codes, both from shared memory, K-major, s32 accumulators. */
+__device__ __forceinline__ void f8_mma_qk(int* s, unsigned long long a, unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " PK_ACC64 ", %64, %65, p;\n}\n"
+        : F8_R64(s) : "l"(a), "l"(b), "r"(accumulate));
+}
+
+/* o += P V: P (64 x 32 keys, E4M3) from registers, V^T from shared memory (K-major). */
+__device__ __forceinline__ void f8_mma_pv(float* o, const unsigned int* p, unsigned long long b)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " PK_ACC64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : PK_F64(o) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(b));
+}
+
+/* Two floats to two E4M3 bytes (lo, hi), rounded to nearest, saturated at 448. */
+__device__ __forceinline__ unsigned int f8_e4m3x2(float lo, float hi)
+{
+    unsigned short packed;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+__device__ __forceinline__ void f8_copy_tile(unsigned int dst, const pk_tensor_map* map, int column, int row,
+                                             int head, int batch, unsigned int bar)
+{
+    pk_bar_expect_bytes(bar, F8_TILE_BYTES);
+    pk_copy_box(dst, map, column, head, row, batch, bar);
+}
+
+/* S = Q K^T for one warpgroup: 4 k-steps of 32 bytes in one 128-byte slab. */
+__device__ __forceinline__ void f8_issue_qk(int* s, unsigned int q_rows, unsigned int k_tile)
+{
+    #pragma unroll
+    for (int kk = 0; kk < F8_D / 32; kk++) {
+        f8_mma_qk(s, pk_wgmma_desc(q_rows + kk * 32, 16, 1024), pk_wgmma_desc(k_tile + kk * 32, 16, 1024), kk > 0);
+    }
+    pk_wgmma_commit();
+}
+
+/* O += P V: 4 k-steps of 32 (permuted) keys of the V^T tile. */
+__device__ __forceinline__ void f8_issue_pv(float* o, const unsigned int* p, unsigned int vt_tile)
+{
+    #pragma unroll
+    for (int kk = 0; kk < F8_BK / 32; kk++) f8_mma_pv(o, p + 4 * kk, pk_wgmma_desc(vt_tile + kk * 32, 16, 1024));
+    pk_wgmma_commit();
+}
+
+/* P (already times 448) as E4M3 in the A-fragment order: register 4j + r of 32-key chunk j
+   holds row g (r = 0, 2) or g + 8 (r = 1, 3) of n8 tiles 4j + (r >> 1) * 2
+   and the next, two keys each (see the header for the key permutation). */
+__device__ __forceinline__ void f8_pack_p(unsigned int* p, const float* s)
+{
+    #pragma unroll
+    for (int j = 0; j < 4; j++) {
+        #pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float* a = s + (4 * j + (r >> 1) * 2) * 4 + (r & 1) * 2;   /* n8 tile, row half */
+            p[4 * j + r] = f8_e4m3x2(a[0], a[1]) | (f8_e4m3x2(a[4], a[5]) << 16);
+        }
+    }
+}
+
+struct f8_smem {
+    unsigned int base, bars;
+    __device__ unsigned int q() const { return base; }
+    __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * F8_TILE_BYTES; }
+    __device__ unsigned int v(unsigned int s) const { return base + (1 + F8_STAGES + s) * F8_TILE_BYTES; }
+    __device__ unsigned int q_full() const { return bars; }
+    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
+    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + F8_STAGES + s); }
+    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * F8_STAGES + s); }
+    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * F8_STAGES + s); }
+};
+
+__device__ __forceinline__ void f8_produce(const f8_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
+                                           const pk_tensor_map* tm_vt, int head, int batch, int q0,
+                                           unsigned int n_tiles)
+{
+    f8_copy_tile(m.q(), tm_q, 0, q0, head, batch, m.q_full());
+    for (unsigned int j = 0; j < n_tiles; j++) {
+        const unsigned int s = j % F8_STAGES, parity = (j / F8_STAGES - 1) & 1;
+        if (j >= F8_STAGES) pk_bar_wait(m.k_free(s), parity);
+        f8_copy_tile(m.k(s), tm_k, 0, j * F8_BK, head, batch, m.k_full(s));
+        if (j >= F8_STAGES) pk_bar_wait(m.v_free(s), parity);
+        f8_copy_tile(m.v(s), tm_vt, j * F8_BK, 0, head, batch, m.v_full(s));
+    }
+}
+
+/* Tile j's online-softmax step on the s32 scores in s (bit patterns), leaving
+   P = 448 * 2^(factor * s - m) in s: `factor` is this warpgroup's q scale times
+   the tile's k scale; keys >= seq_k get P = 0. The I2F-free conversion (see the
+   header) leaves 1.5 * 2^23 + s in each register, removed inside the FFMA. */
+__device__ __forceinline__ void f8_softmax(float* s, float* m_run, float* l_run, float* corr, float factor,
+                                           unsigned int key0, unsigned int seq_k, unsigned int t)
+{
+    #pragma unroll
+    for (int i = 0; i < 64; i++) s[i] = __int_as_float(__float_as_int(s[i]) + F8_BIAS);
+    pk_mask_tail<F8_BK / 8>(s, key0, seq_k, t);
+    #pragma unroll
+    for (int ri = 0; ri < 2; ri++) {
+        float* row = s + 2 * ri;
+        float tile_max = PK_NEG_INF;
+        #pragma unroll
+        for (int n = 0; n < F8_BK / 8; n++) tile_max = fmaxf(tile_max, fmaxf(row[4 * n], row[4 * n + 1]));
+        tile_max = pk_quad_max(tile_max);
+        const float m_new = fmaxf(m_run[ri], (tile_max - F8_BIAS_F) * factor);
+        corr[ri] = pk_exp2(m_run[ri] - m_new);
+        m_run[ri] = m_new;
+        const float offset = fmaf(F8_BIAS_F, factor, m_new - F8_LOG2_P_SCALE);
+        float row_sum = 0.f;
+        #pragma unroll
+        for (int n = 0; n < F8_BK / 8; n++) {
+            row[4 * n] = pk_exp2(fmaf(row[4 * n], factor, -offset));
+            row[4 * n + 1] = pk_exp2(fmaf(row[4 * n + 1], factor, -offset));
+            row_sum += row[4 * n] + row[4 * n + 1];
+        }
+        l_run[ri] = l_run[ri] * corr[ri] + row_sum;
+    }
+}
+
+/* What f8_tile needs of its warpgroup's rows: Q's shared address, the q scale, the k scales, counts. */
+struct f8_rows {
+    unsigned int q_rows;
+    float qs;
+    const float* ks;
+    unsigned int seq_k, t;
+};
+
+/* Key tile j >= 1 of one consumer warpgroup: S_j = Q K_j^T and O += P_{j-1} V_{j-1} (from p_in) issued
+   back to back, tile j's softmax while P.V is in flight, P_j packed into p_out before P.V completes (two P
+   buffers), then O rescaled, skipped when no row's running max moved (a warp-uniform vote). */
+__device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, float* o, float* s,
+                                        const unsigned int* p_in, unsigned int* p_out, float* m_run, float* l_run,
+                                        unsigned int j)
+{
+    const unsigned int st = j % F8_STAGES, prev = (j - 1) % F8_STAGES;
+    float corr[2];
+    pk_bar_wait(m.k_full(st), (j / F8_STAGES) & 1);
+    pk_bar_wait(m.v_full(prev), ((j - 1) / F8_STAGES) & 1);
+    pk_pin<64>(s);
+    pk_pin<64>(o);
+    pk_wgmma_fence();
+    f8_issue_qk((int*)s, r.q_rows, m.k(st));
+    f8_issue_pv(o, p_in, m.v(prev));
+    pk_wgmma_wait<1>();
+    pk_pin<64>(s);
+    pk_warp_arrive(m.k_free(st));
+    f8_softmax(s, m_run, l_run, corr, r.qs * r.ks[j], j * F8_BK, r.seq_k, r.t);
+    f8_pack_p(p_out, s);
+    pk_wgmma_wait<0>();
+    pk_pin<64>(o);
+    pk_warp_arrive(m.v_free(prev));
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pk_rescale<F8_D / 8>(o, corr);
+}
+
+/* The prepass's per-block scales of one launch (see the header's layout). */
+struct f8_scales {
+    const float* q;
+    const float* k;
+    const float* v;
+};
+
+__device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __restrict__ out, float* __restrict__ lse,
+                                           const f8_scales& scales, unsigned int num_heads, unsigned int seq_q,
+                                           unsigned int seq_k, unsigned int out_pitch, unsigned int n_tiles,
+                                           unsigned int k_tiles)
+{
+    const unsigned int c = threadIdx.x / 128 - 1;
+    const unsigned int warp = (threadIdx.x / 32) & 3u;
+    const unsigned int g = (threadIdx.x & 31u) >> 2;
+    const unsigned int t = threadIdx.x & 3u;
+    const unsigned int q_rows = m.q() + c * 64 * 128;
+    const unsigned long long plane = (unsigned long long)blockIdx.z * num_heads + blockIdx.y;
+    const unsigned int q_blocks = (seq_q + 63) / 64, q_block = blockIdx.x * 2 + c;
+    const float qs = q_block < q_blocks ? scales.q[plane * q_blocks + q_block] : 1.f;   /* rows past seq_q: unused */
+    const float* ks = scales.k + plane * k_tiles;
+
+    float o[64], s[64], corr[2];
+    unsigned int pa[16], pb[16];
+    float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
+    float l_run[2] = {0.f, 0.f};
+    #pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+
+    pk_bar_wait(m.q_full(), 0);
+    pk_bar_wait(m.k_full(0), 0);
+    pk_wgmma_fence();
+    f8_issue_qk((int*)s, q_rows, m.k(0));
+    pk_wgmma_wait<0>();
+    pk_pin<64>(s);
+    pk_warp_arrive(m.k_free(0));
+    f8_softmax(s, m_run, l_run, corr, qs * ks[0], 0, seq_k, t);
+    f8_pack_p(pa, s);
+
+    const f8_rows rows = {q_rows, qs, ks, seq_k, t};
+    for (unsigned int j = 1; j < n_tiles; j += 2) {
+        f8_tile(m, rows, o, s, pa, pb, m_run, l_run, j);
+        if (j + 1 < n_tiles) f8_tile(m, rows, o, s, pb, pa, m_run, l_run, j + 1);
+    }
+    const unsigned int last = n_tiles - 1;
+    pk_bar_wait(m.v_full(last % F8_STAGES), (last / F8_STAGES) & 1);
+    pk_pin<64>(o);
+    pk_wgmma_fence();
+    if (last & 1u) {                         /* odd tiles pack into pb, even ones into pa */
+        f8_issue_pv(o, pb, m.v(last % F8_STAGES));
+    } else {
+        f8_issue_pv(o, pa, m.v(last % F8_STAGES));
+    }
+    pk_wgmma_wait<0>();
+    pk_pin<64>(o);
+
+    const float* vs = scales.v + plane * F8_D + 2 * t;
+    const unsigned long long inner = (unsigned long long)num_heads * F8_D;
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float l = pk_quad_sum(l_run[r]);
+        const unsigned int row = blockIdx.x * F8_BQ + c * 64 + warp * 16 + g + 8 * r;
+        if (row >= seq_q) continue;
+        const float inv = 1.f / l;
+        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
+        unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * F8_D + 2 * t;
+        if (t == 0) pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - F8_LOG2_P_SCALE, l);
+        #pragma unroll
+        for (int n = 0; n < 16; n++) {
+            pk_store2<F8_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv * vs[8 * n],
+                                  o[4 * n + 2 * r + 1] * inv * vs[8 * n + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
+joint_attention_fp8(
+    const __grid_constant__ pk_tensor_map tm_q,
+    const __grid_constant__ pk_tensor_map tm_k,
+    const __grid_constant__ pk_tensor_map tm_vt,
+    unsigned short* __restrict__ out,
+    float* __restrict__ lse,
+    const int* __restrict__ key_lens,
+    const float* __restrict__ q_scale,
+    const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale,
+    unsigned int num_heads,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int out_pitch)
+{
+    extern __shared__ __align__(1024) unsigned char f8_smem_raw[];
+    f8_smem m;
+    m.base = (pk_smem_addr(f8_smem_raw) + 1023u) & ~1023u;
+    m.bars = m.base + (1 + 2 * F8_STAGES) * F8_TILE_BYTES;
+    const unsigned int k_tiles = (seq_k + F8_BK - 1) / F8_BK;   /* the window's: k_scale's pitch */
+#if F8_KEY_LENS
+    if (pk_no_keys<F8_IN_KIND>(key_lens, seq_k, out, lse, F8_BQ, seq_q, num_heads, F8_D, out_pitch)) return;
+#endif
+    const unsigned int n_tiles = (seq_k + F8_BK - 1) / F8_BK;
+
+    pk_ring_init<F8_STAGES, F8_CONSUMER_WARPS>(m.bars);
+
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        if (threadIdx.x == 0) {
+            f8_produce(m, &tm_q, &tm_k, &tm_vt, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * F8_BQ), n_tiles);
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        const f8_scales scales = {q_scale, k_scale, v_scale};
+        f8_consume(m, out, lse, scales, num_heads, seq_q, seq_k, out_pitch, n_tiles, k_tiles);
+    }
+}

@@ -1,0 +1,299 @@
+/* quantize_qkv8.cu: 16-bit q, k, v -> the 8-bit kernel's operands (pictor-diffusers).
+
+   Algorithm (SageAttention2's scheme with the fixed choices of
+   flash_attn_fp8.cu):
+     * q: int8, one absmax scale per 64 rows of a (batch, head) plane; the
+       logit scale times log2 e is folded into the stored scale;
+     * k: smoothed (minus mu, a per-channel mean of the plane's keys: it adds
+       q . mu to every logit of a row, which the softmax cancels), then int8
+       with one absmax scale per 128-key tile;
+     * v: FP8 E4M3 with one scale per channel (its absmax over the plane's
+       keys maps to 448), written transposed (V^T) with each 32-key chunk in
+       the key order flash_attn_fp8.cu's P registers have (logical L = 16 h +
+       4 t + e holds key 16 h + 8 (e >> 1) + 2 t + (e & 1)), zero past seq_k.
+   Absmax values are floored at 2^-43, so an all-zero block gets a tiny
+   normal scale (codes 0) and no scale product underflows.
+   Two launches of this entry, deterministic (fixed reduction order):
+     phase 0: block (plane, chunk) sums k and takes max |v| of each channel
+              over its share of the keys into partial[0 / 1][plane][chunk][128];
+     phase 1: block (plane, tile) reduces the partials (mu = sum / seq_k) and
+              quantises query rows [128 tile, + 128) and key tile `tile`.
+
+   Launch geometry (QZ_D, QZ_IN_KIND, QZ_THREADS, QZ_CHUNKS from the host):
+       phase 0 grid = (batch * num_heads, QZ_CHUNKS, 1)
+       phase 1 grid = (batch * num_heads, max(ceil(seq_q / 128), ceil(seq_k / 128)), 1)
+       block = QZ_THREADS = 256: thread i holds channels 8 (i % 16) .. + 7 of
+       rows i / 16, + 16, ... (q: rows i % 128 / 16, + 8, ... of 64-row block i / 128)
+       static shared memory: 33,824 bytes (the staged v tile, mu, 448 / vmax, a reduction's scratch)
+   Layout (a window of rows: q, k, v offset to its first row; pitches are the
+   full tensors' row counts, k_pad = 128 ceil(seq_k / 128)):
+       q, k, v : 16-bit [batch * num_heads][q_pitch or kv_pitch][128]
+       q8, k8  : int8 [batch * num_heads][seq_q or seq_k][128]
+       vt8     : E4M3 [batch * num_heads][128][k_pad]
+       q_scale : f32 [batch * num_heads][ceil(seq_q / 64)]
+       k_scale : f32 [batch * num_heads][k_pad / 128]
+       v_scale : f32 [batch * num_heads][128]
+       partial : f32 [2][batch * num_heads][QZ_CHUNKS][128]
+   Precision: codes round to nearest (int8 ties to even, saturated at +-127;
+   E4M3 satfinite); scales in f32. Needs sm_89+ (E4M3 conversion). */
+
+#include "common.cuh"
+
+#if !defined(QZ_D) || !defined(QZ_IN_KIND) || !defined(QZ_THREADS) || !defined(QZ_CHUNKS)
+#error "quantize_qkv8.cu needs -D QZ_D, QZ_IN_KIND, QZ_THREADS and QZ_CHUNKS from the host"
+#endif
+#if QZ_D != 128 || QZ_THREADS != 256
+#error "the 8-bit prepass is written for head_dim 128 and 256 threads"
+#endif
+#if QZ_IN_KIND != 1 && QZ_IN_KIND != 2
+#error "QZ_IN_KIND must be 1 (bfloat16) or 2 (float16)"
+#endif
+
+#define QZ_TILE 128
+#define QZ_FLOOR 1.1368683772161603e-13f   /* 2^-43 */
+
+/* One 16-bit value as f32. */
+__device__ __forceinline__ void qz_load1(unsigned short bits, float& x)
+{
+#if QZ_IN_KIND == 1
+    x = __uint_as_float((unsigned int)bits << 16);
+#else
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
+#endif
+}
+
+/* Eight 16-bit values (one 16-byte word) as f32. */
+__device__ __forceinline__ void qz_unpack8(uint4 raw, float* x)
+{
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+#if QZ_IN_KIND == 1
+        x[2 * i] = __uint_as_float(words[i] << 16);
+        x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+#else
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i]) : "h"((unsigned short)(words[i] & 0xffffu)));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i + 1]) : "h"((unsigned short)(words[i] >> 16)));
+#endif
+    }
+}
+
+/* Eight 16-bit values (one 16-byte load) as f32. */
+__device__ __forceinline__ void qz_load8(const unsigned short* src, float* x)
+{
+    qz_unpack8(*(const uint4*)src, x);
+}
+
+/* Eight f32 to int8 codes x * inv (nearest, ties to even, saturated at +-127), packed little-endian. */
+__device__ __forceinline__ uint2 qz_int8x8(const float* x, float inv)
+{
+    unsigned int words[2] = {0u, 0u};
+    #pragma unroll
+    for (int e = 0; e < 8; e++) {
+        const int code = max(-127, min(127, __float2int_rn(x[e] * inv)));
+        words[e / 4] |= (unsigned int)(code & 0xff) << (8 * (e % 4));
+    }
+    return make_uint2(words[0], words[1]);
+}
+
+/* A thread's eight rows row0 + step u of a block (16-byte words of channels 8 cg.., zero at rows >= count),
+   kept packed, and their absmax after subtracting `shift` (null: none) from each channel. */
+__device__ __forceinline__ float qz_rows(const unsigned short* plane_rows, unsigned int row0, unsigned int step,
+                                         unsigned int count, unsigned int cg, const float* shift, uint4* raw)
+{
+    float amax = 0.f;
+    #pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const unsigned int row = row0 + step * u;
+        raw[u] = row < count ? *(const uint4*)(plane_rows + (unsigned long long)row * QZ_D + 8 * cg)
+                             : make_uint4(0u, 0u, 0u, 0u);
+        if (row >= count) continue;
+        float x[8];
+        qz_unpack8(raw[u], x);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(shift == nullptr ? x[e] : x[e] - shift[8 * cg + e]));
+    }
+    return amax;
+}
+
+/* The int8 codes of those rows (x - shift) * inv, to dst (rows >= count skipped). */
+__device__ __forceinline__ void qz_store_rows(unsigned char* dst, const uint4* raw, unsigned int row0, unsigned int step,
+                                              unsigned int count, unsigned int cg, const float* shift, float inv)
+{
+    #pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const unsigned int row = row0 + step * u;
+        if (row >= count) continue;
+        float x[8];
+        qz_unpack8(raw[u], x);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = shift == nullptr ? x[e] : x[e] - shift[8 * cg + e];
+        *(uint2*)(dst + (unsigned long long)row * QZ_D + 8 * cg) = qz_int8x8(x, inv);
+    }
+}
+
+/* Max over the block's threads [first, first + 32 * warps) of x (>= 0); `red`: shared scratch of 8 floats. */
+__device__ __forceinline__ float qz_group_max(float x, float* red, unsigned int first, unsigned int warps)
+{
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    if ((threadIdx.x & 31u) == 0) red[threadIdx.x / 32] = x;
+    __syncthreads();
+    float m = 0.f;
+    for (unsigned int w = 0; w < warps; w++) m = fmaxf(m, red[first / 32 + w]);
+    __syncthreads();
+    return m;
+}
+
+/* Phase 0: the plane's chunk `blockIdx.y` of keys -> per-channel sum of k and max |v|. */
+__device__ void qz_stats(const unsigned short* k, const unsigned short* v, float* partial, unsigned int seq_k,
+                         unsigned int kv_pitch, float* red)
+{
+    const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16, lane_row = threadIdx.x / 16;
+    const unsigned int per = (seq_k + QZ_CHUNKS - 1) / QZ_CHUNKS;
+    const unsigned int stop = min(seq_k, (blockIdx.y + 1) * per);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vmax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (unsigned int row = blockIdx.y * per + lane_row; row < stop; row += 16) {
+        const unsigned long long at = ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg;
+        float x[8];
+        qz_load8(k + at, x);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) sum[e] += x[e];
+        qz_load8(v + at, x);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) vmax[e] = fmaxf(vmax[e], fabsf(x[e]));
+    }
+    const unsigned long long out = ((unsigned long long)plane * QZ_CHUNKS + blockIdx.y) * QZ_D;
+    const unsigned long long second = (unsigned long long)gridDim.x * QZ_CHUNKS * QZ_D;
+    for (int stat = 0; stat < 2; stat++) {
+        #pragma unroll
+        for (int e = 0; e < 8; e++) red[lane_row * QZ_D + 8 * cg + e] = stat == 0 ? sum[e] : vmax[e];
+        __syncthreads();
+        if (threadIdx.x < QZ_D) {
+            float total = 0.f;
+            for (int r = 0; r < 16; r++) {
+                const float x = red[r * QZ_D + threadIdx.x];
+                total = stat == 0 ? total + x : fmaxf(total, x);
+            }
+            partial[stat * second + out + threadIdx.x] = total;
+        }
+        __syncthreads();
+    }
+}
+
+/* Phase 1, q: rows [128 tile, + 128) as two 64-row blocks (threads 0-127 and 128-255). */
+__device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_scale, unsigned int seq_q,
+                         unsigned int q_pitch, float scale_log2, float* red)
+{
+    const unsigned int plane = blockIdx.x, half = threadIdx.x / 128, cg = threadIdx.x % 16;
+    const unsigned int row0 = blockIdx.y * QZ_TILE + half * 64 + (threadIdx.x % 128) / 16;
+    uint4 raw[8];
+    float amax = qz_rows(q + (unsigned long long)plane * q_pitch * QZ_D, row0, 8, seq_q, cg, nullptr, raw);
+    amax = fmaxf(qz_group_max(amax, red, half * 128, 4), QZ_FLOOR);
+    const unsigned int q_blocks = (seq_q + 63) / 64, block = blockIdx.y * 2 + half;
+    if (block >= q_blocks) return;
+    if (threadIdx.x % 128 == 0) q_scale[(unsigned long long)plane * q_blocks + block] = amax / 127.f * scale_log2;
+    qz_store_rows(q8 + (unsigned long long)plane * seq_q * QZ_D, raw, row0, 8, seq_q, cg, nullptr, 127.f / amax);
+}
+
+/* Phase 1, k: key tile `blockIdx.y`, smoothed by mu, one scale. */
+__device__ void qz_key(const unsigned short* k, unsigned char* k8, float* k_scale, const float* mu, unsigned int seq_k,
+                       unsigned int kv_pitch, float* red)
+{
+    const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
+    const unsigned int row0 = blockIdx.y * QZ_TILE + threadIdx.x / 16;
+    uint4 raw[8];
+    float amax = qz_rows(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, seq_k, cg, mu, raw);
+    amax = fmaxf(qz_group_max(amax, red, 0, 8), QZ_FLOOR);
+    const unsigned int k_tiles = (seq_k + QZ_TILE - 1) / QZ_TILE;
+    if (threadIdx.x == 0) k_scale[(unsigned long long)plane * k_tiles + blockIdx.y] = amax / 127.f;
+    qz_store_rows(k8 + (unsigned long long)plane * seq_k * QZ_D, raw, row0, 16, seq_k, cg, mu, 127.f / amax);
+}
+
+/* Phase 1, v: key tile `blockIdx.y` as E4M3 V^T rows (channel-major, keys permuted). The tile is staged in
+   shared memory as it is (coalesced 16-byte loads, zero past seq_k); then thread i writes channel i % 128 of
+   32-key chunks 2 (i / 128) and + 1, reading down the staged columns (a warp reads 64 contiguous bytes). */
+__device__ void qz_value_t(const unsigned short* v, unsigned char* vt8, const float* v_inv, unsigned int seq_k,
+                           unsigned int kv_pitch, unsigned short* stage)
+{
+    const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
+    #pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const unsigned int key = threadIdx.x / 16 + 16 * u, row = blockIdx.y * QZ_TILE + key;
+        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+        if (row < seq_k) raw = *(const uint4*)(v + ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg);
+        *(uint4*)(stage + key * QZ_D + 8 * cg) = raw;
+    }
+    __syncthreads();
+    const unsigned int d = threadIdx.x % QZ_D, k_pad = (seq_k + QZ_TILE - 1) / QZ_TILE * QZ_TILE;
+    const float inv = v_inv[d];
+    #pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const unsigned int chunk = 32 * (2 * (threadIdx.x / QZ_D) + c);
+        unsigned int words[8];
+        #pragma unroll
+        for (int w = 0; w < 8; w++) {
+            float x[4];
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const unsigned int logical = 4 * w + e;   /* = 16 h + 4 t + e' */
+                const unsigned int key = chunk + (logical & 16u) + 8 * ((logical >> 1) & 1u)
+                                       + 2 * ((logical >> 2) & 3u) + (logical & 1u);
+                qz_load1(stage[key * QZ_D + d], x[e]);
+            }
+            unsigned short lo, hi;
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x[1] * inv), "f"(x[0] * inv));
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x[3] * inv), "f"(x[2] * inv));
+            words[w] = (unsigned int)lo | ((unsigned int)hi << 16);
+        }
+        uint4* dst = (uint4*)(vt8 + ((unsigned long long)plane * QZ_D + d) * k_pad + blockIdx.y * QZ_TILE + chunk);
+        dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
+        dst[1] = make_uint4(words[4], words[5], words[6], words[7]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(QZ_THREADS)
+quantize_qkv8(
+    const unsigned short* __restrict__ q,
+    const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v,
+    unsigned char* __restrict__ q8,
+    unsigned char* __restrict__ k8,
+    unsigned char* __restrict__ vt8,
+    float* __restrict__ q_scale,
+    float* __restrict__ k_scale,
+    float* __restrict__ v_scale,
+    float* __restrict__ partial,
+    unsigned int seq_q,
+    unsigned int seq_k,
+    unsigned int q_pitch,
+    unsigned int kv_pitch,
+    float scale_log2,
+    unsigned int phase)
+{
+    __shared__ __align__(16) unsigned short stage[QZ_TILE * QZ_D];
+    __shared__ float mu[QZ_D], v_inv[QZ_D], red[8];
+    float* stats = (float*)stage;   /* phase 0: 16 x 128 floats */
+    if (phase == 0) {
+        qz_stats(k, v, partial, seq_k, kv_pitch, stats);
+        return;
+    }
+    const unsigned int d = threadIdx.x % QZ_D;
+    const unsigned long long second = (unsigned long long)gridDim.x * QZ_CHUNKS * QZ_D;
+    const float* mine = partial + (threadIdx.x / QZ_D) * second + (unsigned long long)blockIdx.x * QZ_CHUNKS * QZ_D + d;
+    float total = 0.f;
+    for (int c = 0; c < QZ_CHUNKS; c++) total = threadIdx.x < QZ_D ? total + mine[c * QZ_D] : fmaxf(total, mine[c * QZ_D]);
+    if (threadIdx.x < QZ_D) {
+        mu[d] = total / (float)max(seq_k, 1u);
+    } else {
+        const float vmax = fmaxf(total, QZ_FLOOR);
+        v_inv[d] = 448.f / vmax;
+        if (blockIdx.y == 0) v_scale[(unsigned long long)blockIdx.x * QZ_D + d] = vmax / 448.f;
+    }
+    __syncthreads();
+    if (blockIdx.y * QZ_TILE < seq_q) qz_query(q, q8, q_scale, seq_q, q_pitch, scale_log2, red);
+    if (blockIdx.y * QZ_TILE < seq_k) {
+        qz_key(k, k8, k_scale, mu, seq_k, kv_pitch, red);
+        qz_value_t(v, vt8, v_inv, seq_k, kv_pitch, stage);
+    }
+}

@@ -1,0 +1,92 @@
+"""The 8-bit kernel's operands: the quantising prepass (`kernels/quantize_qkv8.cu`) and maps of its codes.
+
+`quantized_operands` runs the prepass's two phases on a launch window's 16-bit q, k, v (contiguous head-major
+`[B, H, N, 128]`, first-row addresses) into one workspace allocation, then encodes byte tensor maps of the
+codes for `flash_attn_fp8.cu`:
+
+    q8      int8  [B*H, Nq, 128]           q_scale  f32 [B*H, ceil(Nq / 64)]   (logit scale * log2 e folded in)
+    k8      int8  [B*H, Nk, 128] smoothed  k_scale  f32 [B*H, ceil(Nk / 128)]
+    vt8     E4M3  [B*H, 128, k_pad]        v_scale  f32 [B*H, 128]             (k_pad = 128 ceil(Nk / 128))
+    partial f32   [2, B*H, CHUNKS, 128]    (phase 0's per-chunk key sums and value maxima)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import runtime, tensor_maps
+from .registry import QUANTIZE, quantize_variant
+
+if TYPE_CHECKING:
+    from .launch import Geometry
+
+TILE, Q_BLOCK = 128, 64
+CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
+_ALIGN = 256
+_U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
+_SIGNATURE = (_U64,) * 10 + (_U32,) * 4 + (_F32, _U32)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 128) -> dict[str, tuple[int, int]]:
+    """name -> (byte offset, byte size) of each prepass output in the workspace, each 256-byte aligned."""
+    k_tiles = -(-k_count // TILE)
+    sizes = {
+        "q8": planes * q_count * head_dim,
+        "k8": planes * k_count * head_dim,
+        "vt8": planes * head_dim * k_tiles * TILE,
+        "q_scale": 4 * planes * -(-q_count // Q_BLOCK),
+        "k_scale": 4 * planes * k_tiles,
+        "v_scale": 4 * planes * head_dim,
+        "partial": 4 * 2 * planes * CHUNKS * head_dim,
+    }
+    layout, offset = {}, 0
+    for name, size in sizes.items():
+        layout[name] = (offset, size)
+        offset += -(-size // _ALIGN) * _ALIGN
+    return layout
+
+
+def quantize(pointers: tuple[int, int, int], g: Geometry, device_index: int) -> tuple[torch.Tensor, dict[str, int]]:
+    """Run the prepass on the window's q, k, v (`pointers`, `g`); returns the workspace (uint8, keep it
+    referenced until the attention launch is issued) and each output's address."""
+    layout = workspace_layout(g.planes, g.q_count, g.k_count, g.head_dim)
+    last_offset, last_size = layout["partial"]
+    workspace = torch.empty(last_offset + last_size, dtype=torch.uint8, device=torch.device("cuda", device_index))
+    at = {name: workspace.data_ptr() + offset for name, (offset, _) in layout.items()}
+    variant = quantize_variant(g.head_dim, _DTYPE_NAMES[g.dtype])
+    function = runtime.function(variant, device_index)
+    outputs = tuple(at[name] for name in ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "partial"))
+    scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.scale_log2)
+    tiles = max(-(-g.q_count // TILE), -(-g.k_count // TILE))
+    for phase, grid in ((0, (g.planes, CHUNKS, 1)), (1, (g.planes, tiles, 1))):
+        args = (*pointers, *outputs, *scalars, phase)
+        runtime.launch(function, device_index, grid, QUANTIZE.threads, 0, _SIGNATURE, args)
+    return workspace, at
+
+
+def _code_maps(at: dict[str, int], g: Geometry) -> list[tuple[ctypes.Array, int]]:
+    """Byte maps of q8, k8 (rows = tokens) and vt8 (rows = channels, inner = k_pad keys), heads x batches."""
+    heads, batches, d = g.heads, g.planes // g.heads, g.head_dim
+    k_pad = -(-g.k_count // TILE) * TILE
+
+    def rows(address: int, count: int, inner: int) -> tensor_maps.Planes:
+        return tensor_maps.Planes(address, heads, count, batches, count * inner, inner, heads * count * inner)
+
+    return [
+        tensor_maps.map_at(rows(at["q8"], g.q_count, d), d, torch.uint8),
+        tensor_maps.map_at(rows(at["k8"], g.k_count, d), d, torch.uint8),
+        tensor_maps.map_at(rows(at["vt8"], d, k_pad), k_pad, torch.uint8),
+    ]
+
+
+def quantized_operands(pointers: tuple[int, ...], g: Geometry, device_index: int) -> tuple[tuple[Any, ...], object]:
+    """(operand values, what must stay referenced until the launch) of the "quantized" operand kind, from
+    the window's (q, k, v, out, lse, key_lens) addresses: the prepass, then maps of its codes."""
+    workspace, at = quantize(pointers[:3], g, device_index)
+    maps = _code_maps(at, g)
+    addresses = tuple(address for _, address in maps)
+    return (*addresses, *pointers[3:], at["q_scale"], at["k_scale"], at["v_scale"]), (maps, workspace)
