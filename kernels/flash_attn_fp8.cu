@@ -28,7 +28,7 @@
        block = 384 threads = 3 warpgroups (producer, 2 consumers)
        dynamic shared memory = 1024 + (1 + 2 F8_STAGES) * 16384 + 8 (1 + 4 F8_STAGES):
            Q, F8_STAGES x (K, V^T) tiles of 128 x 128 bytes in TMA's 128-byte
-           swizzle, then the mbarriers (164,928 bytes at F8_STAGES = 4).
+           swizzle, then the mbarriers (148,616 bytes at F8_STAGES = 4).
    Layout (one plane per batch and head, windows of rows offset by the host):
        q8, k8 : int8 [batch][num_heads][seq_q or seq_k][128] (tensor maps, box
                 128 x 1 x 128 x 1; rows past the window zero-filled)
@@ -37,6 +37,8 @@
        q_scale: f32 [batch * num_heads][ceil(seq_q / 64)]
        k_scale: f32 [batch * num_heads][k_pad / 128]
        v_scale: f32 [batch * num_heads][128]
+       q_shift: f32 [batch * num_heads][seq_q], scale log2(e) q . mu (log2 units): K smoothing took
+                q . mu off every logit of the row; the log-sum-exp adds it back
        out    : token-major [batch, out_pitch, num_heads * 128], F8_IN_KIND
                 (1 bfloat16, 2 float16)
        lse    : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
@@ -64,6 +66,7 @@
 #define F8_BIAS 0x4B400000
 #define F8_BIAS_F 12582912.f
 #define F8_LOG2_P_SCALE 8.807354922057604f   /* log2(448) */
+#define F8_MIN_FACTOR 1.17549435e-38f        /* the smallest normal f32: a factor never flushes to 0 (-inf * 0) */
 static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + 8 * (1 + 4 * F8_STAGES),
               "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | mbarriers");
 static_assert(F8_SMEM_BYTES <= 227 * 1024, "F8_SMEM_BYTES exceeds sm_90's 227 KiB per block");
@@ -225,7 +228,7 @@ __device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, floa
     pk_wgmma_wait<1>();
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(st));
-    f8_softmax(s, m_run, l_run, corr, r.qs * r.ks[j], j * F8_BK, r.seq_k, r.t);
+    f8_softmax(s, m_run, l_run, corr, fmaxf(r.qs * r.ks[j], F8_MIN_FACTOR), j * F8_BK, r.seq_k, r.t);
     f8_pack_p(p_out, s);
     pk_wgmma_wait<0>();
     pk_pin<64>(o);
@@ -238,6 +241,7 @@ struct f8_scales {
     const float* q;
     const float* k;
     const float* v;
+    const float* shift;
 };
 
 __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __restrict__ out, float* __restrict__ lse,
@@ -269,7 +273,7 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     pk_wgmma_wait<0>();
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(0));
-    f8_softmax(s, m_run, l_run, corr, qs * ks[0], 0, seq_k, t);
+    f8_softmax(s, m_run, l_run, corr, fmaxf(qs * ks[0], F8_MIN_FACTOR), 0, seq_k, t);
     f8_pack_p(pa, s);
 
     const f8_rows rows = {q_rows, qs, ks, seq_k, t};
@@ -281,11 +285,11 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     pk_bar_wait(m.v_full(last % F8_STAGES), (last / F8_STAGES) & 1);
     pk_pin<64>(o);
     pk_wgmma_fence();
-    if (last & 1u) {                         /* odd tiles pack into pb, even ones into pa */
-        f8_issue_pv(o, pb, m.v(last % F8_STAGES));
-    } else {
-        f8_issue_pv(o, pa, m.v(last % F8_STAGES));
+    if (last & 1u) {                         /* odd tiles pack into pb: one wgmma below reads pa */
+        #pragma unroll
+        for (int i = 0; i < 16; i++) pa[i] = pb[i];
     }
+    f8_issue_pv(o, pa, m.v(last % F8_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<64>(o);
 
@@ -299,7 +303,10 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
         const float inv = 1.f / l;
         const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
         unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * F8_D + 2 * t;
-        if (t == 0) pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - F8_LOG2_P_SCALE, l);
+        if (t == 0 && lse != nullptr) {
+            const float shift = scales.shift[plane * seq_q + row];
+            pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - F8_LOG2_P_SCALE + shift, l);
+        }
         #pragma unroll
         for (int n = 0; n < 16; n++) {
             pk_store2<F8_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv * vs[8 * n],
@@ -319,6 +326,7 @@ joint_attention_fp8(
     const float* __restrict__ q_scale,
     const float* __restrict__ k_scale,
     const float* __restrict__ v_scale,
+    const float* __restrict__ q_shift,
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -343,7 +351,7 @@ joint_attention_fp8(
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        const f8_scales scales = {q_scale, k_scale, v_scale};
+        const f8_scales scales = {q_scale, k_scale, v_scale, q_shift};
         f8_consume(m, out, lse, scales, num_heads, seq_q, seq_k, out_pitch, n_tiles, k_tiles);
     }
 }

@@ -4,19 +4,22 @@
    flash_attn_fp8.cu):
      * q: int8, one absmax scale per 64 rows of a (batch, head) plane; the
        logit scale times log2 e is folded into the stored scale;
-     * k: smoothed (minus mu, a per-channel mean of the plane's keys: it adds
-       q . mu to every logit of a row, which the softmax cancels), then int8
-       with one absmax scale per 128-key tile;
+     * k: smoothed (minus mu, a per-channel mean of the plane's keys: it
+       shifts every logit of a row by -q . mu, which the softmax cancels and
+       the log-sum-exp gets back from q_shift = scale log2(e) q . mu), then
+       int8 with one absmax scale per 128-key tile;
      * v: FP8 E4M3 with one scale per channel (its absmax over the plane's
        keys maps to 448), written transposed (V^T) with each 32-key chunk in
        the key order flash_attn_fp8.cu's P registers have (logical L = 16 h +
        4 t + e holds key 16 h + 8 (e >> 1) + 2 t + (e & 1)), zero past seq_k.
    Absmax values are floored at 2^-43, so an all-zero block gets a tiny
-   normal scale (codes 0) and no scale product underflows.
+   normal scale (codes 0). With key counts (key_lens, batch b = plane / heads
+   attends its first min(key_lens[b], seq_k) keys) only those keys enter mu,
+   the maxima and the codes; later keys are zero in V^T (P is 0 there).
    Two launches of this entry, deterministic (fixed reduction order):
      phase 0: block (plane, chunk) sums k and takes max |v| of each channel
               over its share of the keys into partial[0 / 1][plane][chunk][128];
-     phase 1: block (plane, tile) reduces the partials (mu = sum / seq_k) and
+     phase 1: block (plane, tile) reduces the partials (mu = sum / keys) and
               quantises query rows [128 tile, + 128) and key tile `tile`.
 
    Launch geometry (QZ_D, QZ_IN_KIND, QZ_THREADS, QZ_CHUNKS from the host):
@@ -33,7 +36,9 @@
        q_scale : f32 [batch * num_heads][ceil(seq_q / 64)]
        k_scale : f32 [batch * num_heads][k_pad / 128]
        v_scale : f32 [batch * num_heads][128]
+       q_shift : f32 [batch * num_heads][seq_q] (log2 units)
        partial : f32 [2][batch * num_heads][QZ_CHUNKS][128]
+       key_lens: [batch] i32 or null
    Precision: codes round to nearest (int8 ties to even, saturated at +-127;
    E4M3 satfinite); scales in f32. Needs sm_89+ (E4M3 conversion). */
 
@@ -146,12 +151,12 @@ __device__ __forceinline__ float qz_group_max(float x, float* red, unsigned int 
 }
 
 /* Phase 0: the plane's chunk `blockIdx.y` of keys -> per-channel sum of k and max |v|. */
-__device__ void qz_stats(const unsigned short* k, const unsigned short* v, float* partial, unsigned int seq_k,
+__device__ void qz_stats(const unsigned short* k, const unsigned short* v, float* partial, unsigned int keys,
                          unsigned int kv_pitch, float* red)
 {
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16, lane_row = threadIdx.x / 16;
-    const unsigned int per = (seq_k + QZ_CHUNKS - 1) / QZ_CHUNKS;
-    const unsigned int stop = min(seq_k, (blockIdx.y + 1) * per);
+    const unsigned int per = (keys + QZ_CHUNKS - 1) / QZ_CHUNKS;
+    const unsigned int stop = min(keys, (blockIdx.y + 1) * per);
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vmax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (unsigned int row = blockIdx.y * per + lane_row; row < stop; row += 16) {
         const unsigned long long at = ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg;
@@ -181,14 +186,33 @@ __device__ void qz_stats(const unsigned short* k, const unsigned short* v, float
     }
 }
 
+/* q_shift of the thread's eight rows: scale_log2 (q_row . mu), summed over the 16 threads of a row (lanes
+   sharing lane / 16); the thread holding channels 0-7 writes it (rows < count). */
+__device__ __forceinline__ void qz_row_shift(const uint4* raw, const float* mu, float* shift_rows, unsigned int row0,
+                                             unsigned int step, unsigned int count, unsigned int cg, float scale_log2)
+{
+    #pragma unroll
+    for (int u = 0; u < 8; u++) {
+        float x[8], dot = 0.f;
+        qz_unpack8(raw[u], x);
+        #pragma unroll
+        for (int e = 0; e < 8; e++) dot = fmaf(x[e], mu[8 * cg + e], dot);
+        #pragma unroll
+        for (int offset = 8; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        const unsigned int row = row0 + step * u;
+        if (cg == 0 && row < count) shift_rows[row] = dot * scale_log2;
+    }
+}
+
 /* Phase 1, q: rows [128 tile, + 128) as two 64-row blocks (threads 0-127 and 128-255). */
-__device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_scale, unsigned int seq_q,
-                         unsigned int q_pitch, float scale_log2, float* red)
+__device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_scale, float* q_shift,
+                         const float* mu, unsigned int seq_q, unsigned int q_pitch, float scale_log2, float* red)
 {
     const unsigned int plane = blockIdx.x, half = threadIdx.x / 128, cg = threadIdx.x % 16;
     const unsigned int row0 = blockIdx.y * QZ_TILE + half * 64 + (threadIdx.x % 128) / 16;
     uint4 raw[8];
     float amax = qz_rows(q + (unsigned long long)plane * q_pitch * QZ_D, row0, 8, seq_q, cg, nullptr, raw);
+    qz_row_shift(raw, mu, q_shift + (unsigned long long)plane * seq_q, row0, 8, seq_q, cg, scale_log2);
     amax = fmaxf(qz_group_max(amax, red, half * 128, 4), QZ_FLOOR);
     const unsigned int q_blocks = (seq_q + 63) / 64, block = blockIdx.y * 2 + half;
     if (block >= q_blocks) return;
@@ -198,30 +222,30 @@ __device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_sc
 
 /* Phase 1, k: key tile `blockIdx.y`, smoothed by mu, one scale. */
 __device__ void qz_key(const unsigned short* k, unsigned char* k8, float* k_scale, const float* mu, unsigned int seq_k,
-                       unsigned int kv_pitch, float* red)
+                       unsigned int keys, unsigned int kv_pitch, float* red)
 {
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
     const unsigned int row0 = blockIdx.y * QZ_TILE + threadIdx.x / 16;
     uint4 raw[8];
-    float amax = qz_rows(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, seq_k, cg, mu, raw);
+    float amax = qz_rows(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, keys, cg, mu, raw);
     amax = fmaxf(qz_group_max(amax, red, 0, 8), QZ_FLOOR);
     const unsigned int k_tiles = (seq_k + QZ_TILE - 1) / QZ_TILE;
     if (threadIdx.x == 0) k_scale[(unsigned long long)plane * k_tiles + blockIdx.y] = amax / 127.f;
-    qz_store_rows(k8 + (unsigned long long)plane * seq_k * QZ_D, raw, row0, 16, seq_k, cg, mu, 127.f / amax);
+    qz_store_rows(k8 + (unsigned long long)plane * seq_k * QZ_D, raw, row0, 16, keys, cg, mu, 127.f / amax);
 }
 
 /* Phase 1, v: key tile `blockIdx.y` as E4M3 V^T rows (channel-major, keys permuted). The tile is staged in
    shared memory as it is (coalesced 16-byte loads, zero past seq_k); then thread i writes channel i % 128 of
    32-key chunks 2 (i / 128) and + 1, reading down the staged columns (a warp reads 64 contiguous bytes). */
 __device__ void qz_value_t(const unsigned short* v, unsigned char* vt8, const float* v_inv, unsigned int seq_k,
-                           unsigned int kv_pitch, unsigned short* stage)
+                           unsigned int keys, unsigned int kv_pitch, unsigned short* stage)
 {
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
     #pragma unroll
     for (int u = 0; u < 8; u++) {
         const unsigned int key = threadIdx.x / 16 + 16 * u, row = blockIdx.y * QZ_TILE + key;
         uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-        if (row < seq_k) raw = *(const uint4*)(v + ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg);
+        if (row < keys) raw = *(const uint4*)(v + ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg);
         *(uint4*)(stage + key * QZ_D + 8 * cg) = raw;
     }
     __syncthreads();
@@ -257,25 +281,30 @@ quantize_qkv8(
     const unsigned short* __restrict__ q,
     const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v,
+    const int* __restrict__ key_lens,
     unsigned char* __restrict__ q8,
     unsigned char* __restrict__ k8,
     unsigned char* __restrict__ vt8,
     float* __restrict__ q_scale,
     float* __restrict__ k_scale,
     float* __restrict__ v_scale,
+    float* __restrict__ q_shift,
     float* __restrict__ partial,
     unsigned int seq_q,
     unsigned int seq_k,
     unsigned int q_pitch,
     unsigned int kv_pitch,
+    unsigned int num_heads,
     float scale_log2,
     unsigned int phase)
 {
     __shared__ __align__(16) unsigned short stage[QZ_TILE * QZ_D];
     __shared__ float mu[QZ_D], v_inv[QZ_D], red[8];
     float* stats = (float*)stage;   /* phase 0: 16 x 128 floats */
+    const unsigned int batch = blockIdx.x / num_heads;
+    const unsigned int keys = key_lens == nullptr ? seq_k : (unsigned int)min(max(key_lens[batch], 0), (int)seq_k);
     if (phase == 0) {
-        qz_stats(k, v, partial, seq_k, kv_pitch, stats);
+        qz_stats(k, v, partial, keys, kv_pitch, stats);
         return;
     }
     const unsigned int d = threadIdx.x % QZ_D;
@@ -284,16 +313,16 @@ quantize_qkv8(
     float total = 0.f;
     for (int c = 0; c < QZ_CHUNKS; c++) total = threadIdx.x < QZ_D ? total + mine[c * QZ_D] : fmaxf(total, mine[c * QZ_D]);
     if (threadIdx.x < QZ_D) {
-        mu[d] = total / (float)max(seq_k, 1u);
+        mu[d] = total / (float)max(keys, 1u);
     } else {
         const float vmax = fmaxf(total, QZ_FLOOR);
         v_inv[d] = 448.f / vmax;
         if (blockIdx.y == 0) v_scale[(unsigned long long)blockIdx.x * QZ_D + d] = vmax / 448.f;
     }
     __syncthreads();
-    if (blockIdx.y * QZ_TILE < seq_q) qz_query(q, q8, q_scale, seq_q, q_pitch, scale_log2, red);
+    if (blockIdx.y * QZ_TILE < seq_q) qz_query(q, q8, q_scale, q_shift, mu, seq_q, q_pitch, scale_log2, red);
     if (blockIdx.y * QZ_TILE < seq_k) {
-        qz_key(k, k8, k_scale, mu, seq_k, kv_pitch, red);
-        qz_value_t(v, vt8, v_inv, seq_k, kv_pitch, stage);
+        qz_key(k, k8, k_scale, mu, seq_k, keys, kv_pitch, red);
+        qz_value_t(v, vt8, v_inv, seq_k, keys, kv_pitch, stage);
     }
 }

@@ -272,7 +272,7 @@ def _operands(
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
 _OPERAND_KINDS = {
     "pointers": (_U64,) * 6, "tensor_maps": _MAP_KINDS, "split_planes": (*_MAP_KINDS, _U64),
-    "quantized": (*_MAP_KINDS, _U64, _U64, _U64),
+    "quantized": (*_MAP_KINDS, _U64, _U64, _U64, _U64),
 }  # fmt: skip
 
 

@@ -148,7 +148,8 @@ def int8_fp8_attention(
         pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
             SageAttention1-style alternative).
         q_block, k_block: rows per Q scale and keys per K scale (1 = per token); defaults 64 and 128.
-        return_lse: also return each row's natural log-sum-exp of its (quantised) scaled logits.
+        return_lse: also return each row's natural log-sum-exp of its (quantised) scaled logits, with the
+            shift K smoothing takes off them (scale * q . mean) added back.
 
     Returns:
         token-major `[B, Nq, H*D]` float32; with `return_lse`, also the LSE `[B, Nq, H]` float32.
@@ -157,7 +158,7 @@ def int8_fp8_attention(
         raise ValueError(f"p_scale={p_scale!r} rescales each tile's P·V, so it needs pv_promote=True")
     batch, heads, seq, head_dim = query.shape
     scale = head_dim**-0.5 if scale is None else scale
-    k = smooth_k(key)[0] if k_smoothing else key.float()
+    k, k_mean = smooth_k(key) if k_smoothing else (key.float(), torch.zeros_like(key[:, :, :1]).float())
     v = value.float()
     v_mean = v.mean(dim=2, keepdim=True) if v_smoothing else torch.zeros_like(v[:, :, :1])
     quantize = quantize_int8_blocks if qk_format == "int8" else quantize_fp8_blocks
@@ -195,7 +196,9 @@ def int8_fp8_attention(
     out = out.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
     if not return_lse:
         return out
-    return out, ((running_max + torch.log2(running_sum)) * math.log(2.0)).squeeze(-1).transpose(1, 2).contiguous()
+    shift = scale * (query.float() @ k_mean.transpose(-1, -2))  # K smoothing took q . mean off the row's logits
+    lse = (running_max + torch.log2(running_sum)) * math.log(2.0) + shift
+    return out, lse.squeeze(-1).transpose(1, 2).contiguous()
 
 
 def kernel_twin(

@@ -7,7 +7,10 @@ codes for `flash_attn_fp8.cu`:
     q8      int8  [B*H, Nq, 128]           q_scale  f32 [B*H, ceil(Nq / 64)]   (logit scale * log2 e folded in)
     k8      int8  [B*H, Nk, 128] smoothed  k_scale  f32 [B*H, ceil(Nk / 128)]
     vt8     E4M3  [B*H, 128, k_pad]        v_scale  f32 [B*H, 128]             (k_pad = 128 ceil(Nk / 128))
+    q_shift f32   [B*H, Nq]                (scale log2 e q . mu: K smoothing's shift of the row's logits)
     partial f32   [2, B*H, CHUNKS, 128]    (phase 0's per-chunk key sums and value maxima)
+
+With per-batch key counts, only each batch's attended keys enter K's mean, the scales and the codes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ TILE, Q_BLOCK = 128, 64
 CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
 _ALIGN = 256
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
-_SIGNATURE = (_U64,) * 10 + (_U32,) * 4 + (_F32, _U32)
+_SIGNATURE = (_U64,) * 12 + (_U32,) * 5 + (_F32, _U32)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -41,6 +44,7 @@ def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 12
         "q_scale": 4 * planes * -(-q_count // Q_BLOCK),
         "k_scale": 4 * planes * k_tiles,
         "v_scale": 4 * planes * head_dim,
+        "q_shift": 4 * planes * q_count,
         "partial": 4 * 2 * planes * CHUNKS * head_dim,
     }
     layout, offset = {}, 0
@@ -50,20 +54,23 @@ def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 12
     return layout
 
 
-def quantize(pointers: tuple[int, int, int], g: Geometry, device_index: int) -> tuple[torch.Tensor, dict[str, int]]:
-    """Run the prepass on the window's q, k, v (`pointers`, `g`); returns the workspace (uint8, keep it
-    referenced until the attention launch is issued) and each output's address."""
+def quantize(
+    pointers: tuple[int, int, int], g: Geometry, device_index: int, key_lens: int = 0
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """Run the prepass on the window's q, k, v (`pointers`, `g`; `key_lens`: the address of per-batch key
+    counts, or 0); returns the workspace (uint8, keep it referenced until the attention launch is issued) and
+    each output's address."""
     layout = workspace_layout(g.planes, g.q_count, g.k_count, g.head_dim)
     last_offset, last_size = layout["partial"]
     workspace = torch.empty(last_offset + last_size, dtype=torch.uint8, device=torch.device("cuda", device_index))
     at = {name: workspace.data_ptr() + offset for name, (offset, _) in layout.items()}
     variant = quantize_variant(g.head_dim, _DTYPE_NAMES[g.dtype])
     function = runtime.function(variant, device_index)
-    outputs = tuple(at[name] for name in ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "partial"))
-    scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.scale_log2)
+    outputs = tuple(at[name] for name in ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "q_shift", "partial"))
+    scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.heads, g.scale_log2)
     tiles = max(-(-g.q_count // TILE), -(-g.k_count // TILE))
     for phase, grid in ((0, (g.planes, CHUNKS, 1)), (1, (g.planes, tiles, 1))):
-        args = (*pointers, *outputs, *scalars, phase)
+        args = (*pointers, key_lens, *outputs, *scalars, phase)
         runtime.launch(function, device_index, grid, QUANTIZE.threads, 0, _SIGNATURE, args)
     return workspace, at
 
@@ -86,7 +93,8 @@ def _code_maps(at: dict[str, int], g: Geometry) -> list[tuple[ctypes.Array, int]
 def quantized_operands(pointers: tuple[int, ...], g: Geometry, device_index: int) -> tuple[tuple[Any, ...], object]:
     """(operand values, what must stay referenced until the launch) of the "quantized" operand kind, from
     the window's (q, k, v, out, lse, key_lens) addresses: the prepass, then maps of its codes."""
-    workspace, at = quantize(pointers[:3], g, device_index)
+    workspace, at = quantize(pointers[:3], g, device_index, key_lens=pointers[5])
     maps = _code_maps(at, g)
     addresses = tuple(address for _, address in maps)
-    return (*addresses, *pointers[3:], at["q_scale"], at["k_scale"], at["v_scale"]), (maps, workspace)
+    scales = (at["q_scale"], at["k_scale"], at["v_scale"], at["q_shift"])
+    return (*addresses, *pointers[3:], *scales), (maps, workspace)

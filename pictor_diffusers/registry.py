@@ -91,9 +91,9 @@ class KernelSpec:
             lse and key_lens pointers) or "split_planes" (`SPLIT` first turns f32 q, k, v into scaled
             fp16 hi/lo planes; the kernel takes TMA maps of the planes, out, lse, key_lens and the
             split's column maxima) or "quantized" (`QUANTIZE` first turns 16-bit q, k, v into int8 q and k
-            and E4M3 V^T with per-block scales; the kernel takes TMA maps of the codes, out, lse, key_lens
-            and the q, k and v scales). Every pointer is the first row of the launch's window; lse and
-            key_lens (per-batch key counts, int32) may be null (0).
+            and E4M3 V^T with per-block scales; the kernel takes TMA maps of the codes, out, lse, key_lens,
+            the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row of
+            the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
     """
 
@@ -371,7 +371,7 @@ QUANTIZE = KernelSpec(
     kinds=("IN_KIND",),
     smem_define=False,
     flags=(),
-    scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch", "scale_log2"),
+    scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch", "heads", "scale_log2"),
 )
 """The 8-bit kernel's prepass: 16-bit q, k, v -> int8 q, smoothed int8 k, E4M3 V^T and their scales
 (two phases, one entry)."""

@@ -111,7 +111,7 @@ def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dty
     """Raise ValueError unless `kernel` takes `in_dtype` inputs and can write `out_dtype`.
 
     f32 inputs: "auto" or an fp32-family kernel of the registry, any of the three out dtypes.
-    bf16/fp16 inputs: "auto" or a 16-bit-family kernel, out dtype = input dtype.
+    bf16/fp16 inputs: "auto", a 16-bit-family kernel or an 8-bit one ("fp8"), out dtype = input dtype.
     """
     if (kernel, in_dtype, out_dtype) in _VALID_CHOICES:
         return

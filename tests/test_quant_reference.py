@@ -26,6 +26,7 @@ from pictor_diffusers.quant_reference import (
     bf16_path_attention,
     error_metrics,
     int8_fp8_attention,
+    kernel_twin,
     quantize_fp8_blocks,
     quantize_fp8_channels,
     quantize_int8_blocks,
@@ -35,7 +36,7 @@ from pictor_diffusers.quant_reference import (
     truncate_mantissa,
 )
 from pictor_diffusers.reference import online_softmax_attention
-from pictor_diffusers.testing.references import attention_float64
+from pictor_diffusers.testing.references import attention_float64, rel_l2
 
 COS_TARGET, L1_FACTOR = 0.9995, 3.0
 SETS = ("normal", "k_offset", "peaky")
@@ -199,3 +200,26 @@ def test_smooth_k_leaves_softmax_unchanged() -> None:
     assert mean.abs().max() > 5, "the offset is what gets removed"
     shift = (attention_float64(q.double(), smoothed.double(), v) - attention_float64(q, k, v)).abs().max().item()
     assert shift < 1e-5, shift  # the f32 subtraction's rounding; the softmax itself is invariant
+
+
+@pytest.mark.parametrize("offset", [0.0, 2.0])
+def test_twin_lse_merges_key_shards(offset: float) -> None:
+    """Ring attention merges per-shard results by their LSEs; each shard smooths K by its own mean, so each LSE
+    must carry its own q . mean back. Shards with opposite mean offsets: the merge keeps one call's error
+    (without the shift it was 0.62 relative L2 at offset 2)."""
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 256, 128, generator=generator).bfloat16()
+    k = torch.randn(1, 2, 512, 128, generator=generator)
+    k[:, :, :256] += offset
+    k[:, :, 256:] -= offset
+    k, v = k.bfloat16(), torch.randn(1, 2, 512, 128, generator=generator).bfloat16()
+    exact = attention_float64(q, k, v)
+    (out_a, lse_a), (out_b, lse_b) = (
+        kernel_twin(q, k[:, :, keys], v[:, :, keys], 128**-0.5, return_lse=True)
+        for keys in (slice(0, 256), slice(256, 512))
+    )
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a, weight_b = (torch.exp(part - lse).repeat_interleave(128, dim=-1) for part in (lse_a, lse_b))
+    merged = out_a * weight_a + out_b * weight_b
+    single = kernel_twin(q, k, v, 128**-0.5)
+    assert rel_l2(merged, exact) <= 1.2 * rel_l2(single, exact)
