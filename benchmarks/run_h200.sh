@@ -35,6 +35,9 @@ grep -E "$NCU_GREP" "$OUT/ncu.log"
 ncu --clock-control none -k regex:joint_attention_wgmma -c 1 $NCU_SECTIONS --section ComputeWorkloadAnalysis \
   python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels wgmma --dtype bf16 > "$OUT/ncu_wgmma.log" 2>&1
 grep -E "$NCU_GREP|Issue Slots Busy|Executed Ipc" "$OUT/ncu_wgmma.log"
+ncu --clock-control none -k regex:joint_attention_fp8 -c 1 $NCU_SECTIONS --section ComputeWorkloadAnalysis \
+  python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels fp8 --dtype bf16 > "$OUT/ncu_fp8.log" 2>&1
+grep -E "$NCU_GREP|Issue Slots Busy|Executed Ipc" "$OUT/ncu_fp8.log"
 ncu --clock-control none -k regex:joint_attention_mma16 -c 1 $NCU_SECTIONS \
   python3 benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels mma16 --dtype bf16 > "$OUT/ncu_mma16.log" 2>&1
 grep -E "$NCU_GREP" "$OUT/ncu_mma16.log"
@@ -60,7 +63,14 @@ python3 benchmarks/bench_model.py --models "${MODELS:-klein-4B,klein-9B,dev}" --
   --reps 3 --json "$OUT/model_h200.json"
 stamp bench_model done
 
-for precision in fp32 bf16; do
+python3 benchmarks/bench_8bit_peer.py --json "$OUT/8bit_peer_h200.json"
+stamp bench_8bit_peer done
+
+python3 benchmarks/bench_model.py --models klein-4B --sizes "${SIZES:-1024}" --backends stock,pictor_bf16,pictor_fp8 \
+  --compile --reps 3 --json "$OUT/model_compiled_h200.json"
+stamp bench_model compiled done
+
+for precision in fp32 bf16 fp8; do
   python3 examples/generate.py --tiny --compare --precision "$precision" --out "$OUT/generate_$precision/img.png" 2>&1 \
     | grep -E "RANDOM|PictorAttn|stock|yardstick"
 done
