@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .launch import Window
+from .geometry import Window
 from .ops import attention, windowed_attention
 
 MODES = ("extract", "cached")

@@ -13,11 +13,12 @@ import functools
 import math
 import threading
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from . import runtime, tensor_maps
+from .geometry import Geometry, Window, full_window
 from .quantized import quantized_operands
 from .registry import KernelSpec, Variant, prologue_variant, quantize_variant, split_variant
 from .selection import NoKernelError, Problem, Selection, select_kernel
@@ -91,20 +92,6 @@ def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
     if out.data_ptr() % 16:
         raise ValueError(f"out must be 16-byte aligned, got address {out.data_ptr():#x} (a view with an offset?)")
     return out
-
-
-class Window(NamedTuple):
-    """The rows one launch computes: query rows [q_start, q_stop) over keys [k_start, k_stop)."""
-
-    q_start: int
-    q_stop: int
-    k_start: int
-    k_stop: int
-
-
-def full_window(query: torch.Tensor, key: torch.Tensor) -> Window:
-    """Every query row over every key."""
-    return Window(0, query.shape[2], 0, key.shape[2])
 
 
 def attention_cuda(
@@ -229,21 +216,6 @@ def _signature(spec: KernelSpec) -> tuple[Any, ...]:
         scalars = tuple(_SCALAR_TYPES[name] for name in spec.scalars)
         signature = _SIGNATURES[spec.name] = _OPERAND_KINDS[spec.operands] + scalars
     return signature
-
-
-class Geometry(NamedTuple):
-    """What the operand builders need of a launch: planes (B*H), window rows, pitches, head_dim, dtype,
-    heads (H) and the logit scale times log2 e."""
-
-    planes: int
-    q_count: int
-    k_count: int
-    q_pitch: int
-    kv_pitch: int
-    head_dim: int
-    dtype: torch.dtype
-    heads: int
-    scale_log2: float
 
 
 def _operands(

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .launch import Window, attention_cuda
+from .geometry import Window
+from .launch import attention_cuda
 from .quant_reference import kernel_twin
 from .reference import online_softmax_attention
 from .registry import eight_bit_kernels

@@ -16,15 +16,13 @@ With per-batch key counts, only each batch's attended keys enter K's mean, the s
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import runtime, tensor_maps
+from .geometry import Geometry
 from .registry import QUANTIZE, quantize_variant
-
-if TYPE_CHECKING:
-    from .launch import Geometry
 
 TILE, Q_BLOCK = 128, 64
 CHUNKS = int(QUANTIZE.geometry["CHUNKS"])

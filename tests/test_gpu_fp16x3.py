@@ -104,7 +104,8 @@ def test_a_zero_head_and_tiny_and_huge_heads() -> None:
 @pytest.mark.parametrize("seq", [64, 1000])
 def test_split_planes_hold_22_bits(seq: int) -> None:
     """hi + lo = x 2^e to 2^-22 relative; e puts each group's max |x| in [2^14, 2^15)."""
-    from pictor_diffusers.launch import Geometry, split_planes
+    from pictor_diffusers.geometry import Geometry
+    from pictor_diffusers.launch import split_planes
 
     query, key, value = random_qkv(2, 3, seq, 128, seed=seq)
     value = value * torch.logspace(-3, 3, 128, device="cuda")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pictor_diffusers import PictorAttn, attention, launch
-from pictor_diffusers.launch import Geometry, Window, attention_cuda, cannot_run
+from pictor_diffusers.geometry import Geometry, Window
+from pictor_diffusers.launch import attention_cuda, cannot_run
 from pictor_diffusers.ops import windowed_attention
 from pictor_diffusers.quant_reference import (
     error_metrics,

@@ -75,7 +75,7 @@ def test_unequal_lengths_and_lse(kernel: str, dtype: torch.dtype, bound: float, 
 def test_window_writes_only_its_rows(kernel: str, dtype: torch.dtype, bound: float) -> None:
     """Query rows [3, 150) over keys [40, 700) of a 300 x 1000 problem (the klein-KV extract step's
     "reference queries see reference keys" without copies)."""
-    from pictor_diffusers.launch import Window
+    from pictor_diffusers.geometry import Window
 
     query, key, value = _inputs(2, 3, 300, 1000, dtype, seed=11)
     _skip_unless_runs(kernel, query, key, value)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pictor_diffusers import quantized, tensor_maps
-from pictor_diffusers.launch import Geometry
+from pictor_diffusers.geometry import Geometry
 
 SHAPES = [(1, 24, 4608, 4608), (2, 3, 77, 1000), (3, 5, 1, 1), (2, 2, 300, 129)]
 
