@@ -22,7 +22,7 @@
      fp16 split   pk_split_exponent, pk_split2_f16: f32 -> scaled fp16 hi + lo
      cp.async     pk_smem_addr, pk_cp_async16, pk_cp_async16_zfill,
                   pk_cp_async_commit, pk_cp_async_wait_all
-     Hopper       pk_tensor_map, pk_bar_* (mbarriers), pk_ring_init (the K/V
+     Hopper       pk_tensor_map, pk_bar_* (mbarriers), pk_ring (the K/V
                   ring's mbarriers), pk_copy_box (TMA),
                   pk_wgmma_desc/fence/commit/wait, pk_pin (sm_90a only; unused
                   helpers emit no code, so other targets compile this header)
@@ -351,23 +351,34 @@ __device__ __forceinline__ void pk_warp_arrive(unsigned int bar)
 
 /* The warp-specialised kernels' mbarriers at `bars`, 8 bytes each: q_full, then k_full[STAGES],
    v_full[STAGES] (one arrival each: the producer's expect-bytes), k_free[STAGES], v_free[STAGES] (one
-   arrival per consumer warp). Thread 0 initialises them; the whole block then synchronises. */
-template <int STAGES, int CONSUMER_WARPS>
-__device__ __forceinline__ void pk_ring_init(unsigned int bars)
-{
-    if (threadIdx.x == 0) {
-        pk_bar_init(bars, 1);
-        #pragma unroll
-        for (int s = 0; s < STAGES; s++) {
-            pk_bar_init(bars + 8 * (1 + s), 1);
-            pk_bar_init(bars + 8 * (1 + STAGES + s), 1);
-            pk_bar_init(bars + 8 * (1 + 2 * STAGES + s), CONSUMER_WARPS);
-            pk_bar_init(bars + 8 * (1 + 3 * STAGES + s), CONSUMER_WARPS);
+   arrival per consumer warp). Each kernel's shared-memory layout derives from it and sets `bars`;
+   init: thread 0 initialises them, then the whole block synchronises. */
+template <int STAGES>
+struct pk_ring {
+    unsigned int bars;
+    __device__ unsigned int q_full() const { return bars; }
+    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
+    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + STAGES + s); }
+    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * STAGES + s); }
+    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * STAGES + s); }
+
+    template <int CONSUMER_WARPS>
+    __device__ void init() const
+    {
+        if (threadIdx.x == 0) {
+            pk_bar_init(q_full(), 1);
+            #pragma unroll
+            for (int s = 0; s < STAGES; s++) {
+                pk_bar_init(k_full(s), 1);
+                pk_bar_init(v_full(s), 1);
+                pk_bar_init(k_free(s), CONSUMER_WARPS);
+                pk_bar_init(v_free(s), CONSUMER_WARPS);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        __syncthreads();
     }
-    __syncthreads();
-}
+};
 
 /* Shared-memory matrix descriptor, 128-byte swizzle; lead and stride in bytes. */
 __device__ __forceinline__ unsigned long long pk_wgmma_desc(unsigned int addr, unsigned int lead, unsigned int stride)

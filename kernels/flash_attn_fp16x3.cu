@@ -93,19 +93,14 @@ __device__ __forceinline__ void x3_mma_ss(float* acc, unsigned long long a, unsi
 /* Shared-memory map: Q hi, Q lo, then per stage K hi, K lo, V hi, V lo (1024-byte
    aligned for the swizzle), then the mbarriers q_full, k_full[], v_full[],
    k_free[], v_free[]. Plane 0 is hi, 1 is lo. */
-struct x3_smem {
-    unsigned int base, bars;
+struct x3_smem : pk_ring<X3_STAGES> {
+    unsigned int base;
     __device__ unsigned int q(unsigned int plane) const { return base + plane * X3_Q_PLANE; }
     __device__ unsigned int k(unsigned int s, unsigned int plane) const
     {
         return base + 2 * X3_Q_PLANE + s * X3_STAGE_BYTES + plane * X3_KV_PLANE;
     }
     __device__ unsigned int v(unsigned int s, unsigned int plane) const { return k(s, plane) + 2 * X3_KV_PLANE; }
-    __device__ unsigned int q_full() const { return bars; }
-    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
-    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + X3_STAGES + s); }
-    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * X3_STAGES + s); }
-    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * X3_STAGES + s); }
 };
 
 __device__ __forceinline__ x3_smem x3_carve(unsigned char* raw)
@@ -313,7 +308,7 @@ joint_attention_fp16x3(
 #endif
     const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 
-    pk_ring_init<X3_STAGES, X3_CONSUMER_WARPS>(m.bars);
+    m.init<X3_CONSUMER_WARPS>();
 
     if (threadIdx.x < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");

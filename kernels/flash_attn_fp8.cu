@@ -143,16 +143,11 @@ __device__ __forceinline__ void f8_pack_p(unsigned int* p, const float* s)
     }
 }
 
-struct f8_smem {
-    unsigned int base, bars;
+struct f8_smem : pk_ring<F8_STAGES> {
+    unsigned int base;
     __device__ unsigned int q() const { return base; }
     __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * F8_TILE_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + (1 + F8_STAGES + s) * F8_TILE_BYTES; }
-    __device__ unsigned int q_full() const { return bars; }
-    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
-    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + F8_STAGES + s); }
-    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * F8_STAGES + s); }
-    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * F8_STAGES + s); }
 };
 
 __device__ __forceinline__ void f8_produce(const f8_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
@@ -342,7 +337,7 @@ joint_attention_fp8(
 #endif
     const unsigned int n_tiles = (seq_k + F8_BK - 1) / F8_BK;
 
-    pk_ring_init<F8_STAGES, F8_CONSUMER_WARPS>(m.bars);
+    m.init<F8_CONSUMER_WARPS>();
 
     if (threadIdx.x < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");

@@ -141,16 +141,11 @@ __device__ __forceinline__ void wg_pack_p(unsigned int* p, const float* s)
 /* Shared-memory map: Q tile, K tiles, V tiles (1024-byte aligned for the
    swizzle), then the mbarriers q_full, k_full[], v_full[], k_free[], v_free[]. Stage
    addresses are computed, not indexed, so nothing lands in local memory. */
-struct wg_smem {
-    unsigned int base, bars;
+struct wg_smem : pk_ring<WG_STAGES> {
+    unsigned int base;
     __device__ unsigned int q() const { return base; }
     __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * WG_TILE_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + (1 + WG_STAGES + s) * WG_TILE_BYTES; }
-    __device__ unsigned int q_full() const { return bars; }
-    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
-    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + WG_STAGES + s); }
-    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * WG_STAGES + s); }
-    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * WG_STAGES + s); }
 };
 
 __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
@@ -269,7 +264,7 @@ joint_attention_wgmma(
 #endif
     const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
 
-    pk_ring_init<WG_STAGES, WG_CONSUMER_WARPS>(m.bars);
+    m.init<WG_CONSUMER_WARPS>();
 
     if (threadIdx.x < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");

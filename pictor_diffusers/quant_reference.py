@@ -215,8 +215,7 @@ def kernel_twin(
     Returns token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
     """
     if key_lens is None:
-        out, lse = int8_fp8_attention(query, key, value, scale, return_lse=True)
-        return (out, lse) if return_lse else out
+        return int8_fp8_attention(query, key, value, scale, return_lse=return_lse)
     outs, lses = [], []
     _, heads, seq, head_dim = query.shape
     for b, count in enumerate(key_lens.clamp(0, key.shape[2]).tolist()):

@@ -12,8 +12,9 @@ import math
 
 import pytest
 import torch
+from launch_counts import count_launches
 
-from pictor_diffusers import PictorAttn, attention, launch
+from pictor_diffusers import PictorAttn, attention
 from pictor_diffusers.geometry import Geometry, Window
 from pictor_diffusers.launch import attention_cuda, cannot_run
 from pictor_diffusers.ops import windowed_attention
@@ -196,14 +197,7 @@ def test_pictor_attn_fp8_eager_and_compiled(monkeypatch: pytest.MonkeyPatch) -> 
     model.set_attn_processor(PictorAttn(precision="bf16"))
     bf16 = model(**inputs)[0].double()
     model.set_attn_processor(PictorAttn(precision="fp8"))
-    calls = [0]
-    original = launch.launch_attention
-
-    def counting(variant: object, *args: object) -> None:
-        calls[0] += variant.spec.family == "8bit"
-        original(variant, *args)
-
-    monkeypatch.setattr(launch, "launch_attention", counting)
+    calls = count_launches(monkeypatch, "8bit")
     eager = model(**inputs)[0]
     assert calls[0] == model.config.num_layers + model.config.num_single_layers
     rel = ((eager.double() - bf16).norm() / bf16.norm()).item()

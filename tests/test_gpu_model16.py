@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launch_counts import count_launches
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pictor_diffusers import PictorAttn, launch
+from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 
 pytestmark = pytest.mark.gpu
@@ -29,19 +30,6 @@ PRECISION_OF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
-
-
-def count_16bit_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count launches of the two 16-bit attention kernels from here on."""
-    calls = [0]
-    original = launch.launch_attention
-
-    def counting(variant: object, *args: object) -> None:
-        calls[0] += variant.spec.family == "16bit"
-        original(variant, *args)
-
-    monkeypatch.setattr(launch, "launch_attention", counting)
-    return calls
 
 
 @torch.no_grad()
@@ -68,7 +56,7 @@ def test_16bit_precision_within_stock_spread(
     inputs = transformer_inputs(model, batch=batch, latent_hw=(9, 13), text_len=21)
     stock, stock_math = stock_outputs(model, inputs)
     model.set_attn_processor(PictorAttn(precision=PRECISION_OF[dtype]))
-    calls = count_16bit_launches(monkeypatch)
+    calls = count_launches(monkeypatch, "16bit")
     ours = model(**inputs)[0]
     layers = model.config.num_layers + model.config.num_single_layers
     assert calls[0] == layers, f"{calls[0]} launches of the 16-bit kernels for {layers} attention layers"
@@ -88,7 +76,7 @@ def test_torch_compile_fullgraph_16bit(monkeypatch: pytest.MonkeyPatch) -> None:
     model = build_transformer(CONFIGS["d128"], device="cuda")
     model.set_attn_processor(PictorAttn(precision="bf16"))
     inputs = transformer_inputs(model, batch=1, latent_hw=(8, 8), text_len=16)
-    calls = count_16bit_launches(monkeypatch)
+    calls = count_launches(monkeypatch, "16bit")
     eager = model(**inputs)[0]
     assert calls[0] == model.config.num_layers + model.config.num_single_layers
     compiled = torch.compile(model, fullgraph=True)

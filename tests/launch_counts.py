@@ -1,0 +1,20 @@
+"""Count attention-kernel launches of one registry family, for tests that must prove which kernel ran."""
+
+from __future__ import annotations
+
+import pytest
+
+from pictor_diffusers import launch
+
+
+def count_launches(monkeypatch: pytest.MonkeyPatch, family: str) -> list[int]:
+    """Launches of `family` kernels ("16bit", "8bit", ...) from here on, in a one-element list."""
+    calls = [0]
+    original = launch.launch_attention
+
+    def counting(variant: object, *args: object) -> None:
+        calls[0] += variant.spec.family == family
+        original(variant, *args)
+
+    monkeypatch.setattr(launch, "launch_attention", counting)
+    return calls
