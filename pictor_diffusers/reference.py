@@ -37,9 +37,7 @@ def online_softmax_attention(
         token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
     """
     batch, heads, seq, head_dim = query.shape
-    q = query.float()
-    k = key.float()
-    v = value.float()
+    q, k, v = (t.float().contiguous() for t in (query, key, value))  # strides must not pick other BLAS kernels
     running_max = torch.full((batch, heads, seq, 1), float("-inf"), dtype=torch.float32, device=q.device)
     running_sum = torch.zeros((batch, heads, seq, 1), dtype=torch.float32, device=q.device)
     acc = torch.zeros((batch, heads, seq, head_dim), dtype=torch.float32, device=q.device)

@@ -24,7 +24,6 @@ def _cupy_importable() -> bool:
 needs_cupy = pytest.mark.skipif(
     not _cupy_importable(), reason="NVRTC compiles through CuPy: pip install 'pictor-diffusers[cuda12]'"
 )
-needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) is not on PATH")
 
 
 @functools.cache
@@ -72,15 +71,46 @@ def spills(resources: dict[str, int]) -> dict[str, int]:
     return {key: resources[key] for key in ("stack_frame", "spill_stores", "spill_loads") if resources[key]}
 
 
-def sass_tool() -> list[str] | None:
-    """A command printing a cubin's SASS (`cuobjdump -sass` or `nvdisasm`), from PATH or beside ptxas."""
-    places = [None]
+def _nvidia_wheel_bins() -> list[str]:
+    """The bin folders of NVIDIA's pip wheels (the test extra's nvidia-cuda-cuobjdump and -nvdisasm)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(str(folder) for root in nvidia.__path__ for folder in Path(root).glob("*/bin") if folder.is_dir())
+
+
+def cuda_tool(name: str) -> str | None:
+    """The path of a CUDA command-line tool: from PATH, beside ptxas or from NVIDIA's pip wheels."""
+    places: list[str | None] = [None]
     ptxas = shutil.which("ptxas")
     if ptxas:
         places.append(str(Path(ptxas).resolve().parent))
-    for place in places:
-        for name, args in (("cuobjdump", ["-sass"]), ("nvdisasm", [])):
-            found = shutil.which(name, path=place)
-            if found:
-                return [found, *args]
+    places += _nvidia_wheel_bins()
+    return next((found for place in places if (found := shutil.which(name, path=place))), None)
+
+
+def sass_tool() -> list[str] | None:
+    """A command printing a cubin's SASS (`cuobjdump -sass` or `nvdisasm`), or None."""
+    for name, args in (("cuobjdump", ["-sass"]), ("nvdisasm", [])):
+        found = cuda_tool(name)
+        if found:
+            return [found, *args]
     return None
+
+
+def cubin_resources(variant: Variant, arch: str, tmp_path: Path) -> dict[str, int]:
+    """`parse_resources`' keys for the NVRTC cubin of `variant` on `arch`, read by `cuobjdump -res-usage`
+    (for machines without ptxas; a spill shows as a stack frame, so the spill counts read 0)."""
+    from pictor_diffusers.nvrtc import compile_cubin
+
+    cuobjdump = cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("neither ptxas nor cuobjdump (PATH or pip's nvidia-cuda-cuobjdump): resources not checked")
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(compile_cubin(variant, arch))
+    result = subprocess.run([cuobjdump, "-res-usage", str(path)], capture_output=True, text=True, timeout=120)
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", result.stdout)
+    assert result.returncode == 0 and usage is not None, f"cuobjdump -res-usage failed:\n{result.stdout}{result.stderr}"
+    registers, stack, local = (int(x) for x in usage.groups())
+    return {"registers": registers, "stack_frame": max(stack, local), "spill_stores": 0, "spill_loads": 0}
