@@ -7,8 +7,8 @@ the native backend, SDPA's default), `stock_math` (the same on SDPA's math
 backend; opt-in), `pictor_fp32` (PictorAttn(precision="fp32"), the parity
 path), `pictor_bf16` (PictorAttn(precision="bf16"), the fast path), `pictor_fp8`
 (PictorAttn(precision="fp8"), the 8-bit path), and `backend_pictor` /
-`backend_pictor_bf16` (the stock processors with
-`model.set_attention_backend("pictor" / "pictor_bf16")`).
+`backend_pictor_bf16` / `backend_pictor_fp8` (the stock processors with
+`model.set_attention_backend("pictor" / "pictor_bf16" / "pictor_fp8")`).
 `--compile`: every backend, stock included, runs `torch.compile(model, fullgraph=True)` (compiled in the
 warm-up call, not timed). `--fp32-reference`: each row also gets `rel_l2_fp32`, its output against the same
 weights run in float32 with the stock processors (SDPA in float32).
@@ -85,6 +85,7 @@ BACKENDS = {
     "pictor_fp8": ("PictorAttn(precision='fp8')", "fp8"),
     "backend_pictor": ("set_attention_backend('pictor')", "fp32"),
     "backend_pictor_bf16": ("set_attention_backend('pictor_bf16')", "bf16"),
+    "backend_pictor_fp8": ("set_attention_backend('pictor_fp8')", "fp8"),
 }
 """backend -> (processor, dtype attention runs in)."""
 TEXT_TOKENS = 512

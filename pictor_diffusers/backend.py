@@ -16,6 +16,10 @@ Names follow `PictorAttn(precision=...)`:
   16-bit dtype, 16-bit tensor cores with f32 accumulation and f32 softmax,
   the result in the inputs' dtype. On a bf16 model "pictor_bf16" is
   `precision="auto"`; "pictor_fp16" turns values beyond 65504 into inf.
+* "pictor_fp8" (the 8-bit path, lossy): q, k, v rounded once to bfloat16, then
+  the 8-bit kernel (int8 Q.K, FP8 P.V; Hopper, head_dim 128). Calls it cannot
+  take (another head_dim, a GPU other than sm_90) run the "pictor_bf16" path,
+  with one warning per reason naming it.
 
 Registration happens on `import pictor_diffusers` (one explicit call at the end
 of the package's `__init__`); `register_backends()` is idempotent. diffusers
@@ -46,18 +50,30 @@ import importlib
 import sys
 from enum import Enum
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .backend_call import context_parallel_template, make_backend, parameters, warn_once
+from .registry import eight_bit_kernels
 
-BACKENDS: dict[str, torch.dtype] = {
-    "pictor": torch.float32,
-    "pictor_bf16": torch.bfloat16,
-    "pictor_fp16": torch.float16,
+EIGHT_BIT_KERNEL = eight_bit_kernels()[0]
+
+
+class Backend(NamedTuple):
+    """What a pictor backend computes in: q, k, v's dtype and the kernel choice ("auto" or the 8-bit one)."""
+
+    compute: torch.dtype
+    kernel: str = "auto"
+
+
+BACKENDS: dict[str, Backend] = {
+    "pictor": Backend(torch.float32),
+    "pictor_bf16": Backend(torch.bfloat16),
+    "pictor_fp16": Backend(torch.float16),
+    "pictor_fp8": Backend(torch.bfloat16, EIGHT_BIT_KERNEL),
 }
-"""Backend name -> the dtype q, k, v are computed in (`PictorAttn` precision "fp32", "bf16", "fp16")."""
+"""Backend name -> its `Backend` (`PictorAttn` precision "fp32", "bf16", "fp16", "fp8")."""
 
 DISPATCH_MODULE = "diffusers.models.attention_dispatch"
 _NATIVE_ARGS = {"query", "key", "value", "attn_mask"}
@@ -177,7 +193,7 @@ def register_backends(dispatch: ModuleType | None = None) -> tuple[str, ...]:
     takes_cp_flag = "supports_context_parallel" in parameters(registry.register)
     template = context_parallel_template(dispatch)
     registered = []
-    for member, (name, compute) in zip(added, BACKENDS.items(), strict=True):
+    for member, (name, backend) in zip(added, BACKENDS.items(), strict=True):
         current = registry._backends.get(member)
         if current is not None and getattr(current, "_pictor_backend", None) != name:
             warn_once(f"taken:{name}", f"pictor-diffusers: diffusers already has a backend named {name!r}; kept")
@@ -188,7 +204,8 @@ def register_backends(dispatch: ModuleType | None = None) -> tuple[str, ...]:
         options = {"constraints": list(registry._constraints.get(native, []))}
         if takes_cp_flag:
             options["supports_context_parallel"] = template is not None
-        registry.register(member, **options)(make_backend(name, compute, registry, native, template))
+        function = make_backend(name, backend.compute, backend.kernel, registry, native, template)
+        registry.register(member, **options)(function)
     _activate_requested(names, registry)
     return tuple(registered)
 

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from .launch import cannot_run
 from .ops import attention
-from .registry import MAX_HEAD_DIM
+from .registry import BY_NAME, MAX_HEAD_DIM
 from .validation import OUT_DTYPE_CHOICES, check_scale
 
 _MAX_GRID = 65535
@@ -124,12 +125,34 @@ def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
+def _runnable(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """`kernel`, or "auto" (the 16-bit path, one warning per reason) where the named 8-bit kernel cannot
+    take these `[B, H, N, D]` inputs: another head_dim, or a CUDA device it does not run on."""
+    if kernel == "auto":
+        return kernel
+    head_dims = BY_NAME[kernel].head_dims
+    if query.shape[-1] not in head_dims:
+        reason = f"head_dim={query.shape[-1]} (it takes {head_dims})"
+    else:
+        reason = cannot_run(kernel, query, key, value) if query.device.type == "cuda" else None
+    if reason is None:
+        return kernel
+    warn_once(
+        f"{kernel}:{reason}",
+        f"pictor-diffusers: the 8-bit {kernel!r} kernel cannot run {reason}; those attention calls run "
+        "pictor's 16-bit path instead (warned once per reason)",
+        stacklevel=6,  # the model's processor, which called dispatch_attention_fn
+    )
+    return "auto"
+
+
 def _serve(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
-    return_lse: bool, padding: torch.Tensor | None = None,
+    kernel: str, return_lse: bool, padding: torch.Tensor | None = None,
 ) -> Output:  # fmt: skip
     """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a `[B, Nk]` bool key-padding mask from `key_padding`) -> pictor
-    attention -> `[B, Nq, H, D]` in the inputs' dtype (and the LSE `[B, Nq, H]` float32 when asked).
+    attention with `kernel` ("auto", or an 8-bit kernel where it can run) -> `[B, Nq, H, D]` in the inputs'
+    dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
     No copy in where the kernel reads token-major q/k/v in place (the Hopper 16-bit kernel, inputs in
     `compute`), else one per tensor (head-major contiguous in `compute`); with a mask, k and v are
@@ -145,13 +168,14 @@ def _serve(
         k, v = _gathered(key, kept_first, compute), _gathered(value, kept_first, compute)
         key_lens = padding.sum(1, dtype=torch.int32)
     out_dtype = dtype if compute == torch.float32 else compute
-    result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens)
+    kernel = _runnable(kernel, q, k, v)
+    result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens, kernel=kernel)
     out, lse = result if return_lse else (result, None)
     out = out.to(dtype).view(batch, seq, heads, head_dim)
     return (out, lse) if return_lse else out
 
 
-def _forward_op(compute: torch.dtype) -> Callable[..., Output]:
+def _forward_op(compute: torch.dtype, kernel: str) -> Callable[..., Output]:
     """pictor as the forward op of diffusers' context-parallel templates (Ulysses, ring, unified)."""
 
     def forward_op(
@@ -159,7 +183,7 @@ def _forward_op(compute: torch.dtype) -> Callable[..., Output]:
         dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool,
         _save_ctx: bool = True, _parallel_config: Any = None,
     ) -> Output:  # fmt: skip
-        return _serve(query, key, value, scale, compute, return_lse)
+        return _serve(query, key, value, scale, compute, kernel, return_lse)
 
     return forward_op
 
@@ -176,13 +200,15 @@ def context_parallel_template(dispatch: ModuleType) -> Callable[..., Output] | N
 
 
 def make_backend(
-    name: str, compute: torch.dtype, registry: Any, native_member: Enum, template: Callable[..., Output] | None
-) -> Callable[..., Output]:
+    name: str, compute: torch.dtype, kernel: str, registry: Any, native_member: Enum,
+    template: Callable[..., Output] | None,
+) -> Callable[..., Output]:  # fmt: skip
     """The backend function for `name`, with the parameter names diffusers' dispatcher passes.
 
+    `compute`: q, k, v's dtype for the kernel; `kernel`: "auto" or an 8-bit kernel (`_runnable`);
     `template`: diffusers' context-parallel template (`context_parallel_template`), or None.
     """
-    forward_op = _forward_op(compute)
+    forward_op = _forward_op(compute, kernel)
 
     def backend(
         query: torch.Tensor,
@@ -210,8 +236,8 @@ def make_backend(
                 )
             if _profiling():
                 with torch.profiler.record_function("pictor::attention"):
-                    return _serve(query, key, value, scale, compute, return_lse, padding)
-            return _serve(query, key, value, scale, compute, return_lse, padding)
+                    return _serve(query, key, value, scale, compute, kernel, return_lse, padding)
+            return _serve(query, key, value, scale, compute, kernel, return_lse, padding)
         reason, detail = problem
         if return_lse:
             raise NotImplementedError(

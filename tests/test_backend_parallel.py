@@ -6,8 +6,11 @@ the log-sum-exp merge, unified) run around pictor's kernel. Rank 0's gathered ou
 single-process forward through the same backend: float32 within 1e-5 (the issue's target), the bf16
 backend within two bf16 ulps (diffusers' ring template merges partial outputs already rounded to bf16 by
 the backend, then rounds the merged result again; measured 0 (Ulysses), 2.7e-3 (ring), 5.4e-3
-(unified)). diffusers' native backend cannot serve ring attention on CPU (no log-sum-exp), so pictor's
-own single process is the reference.
+(unified)). "pictor_fp8" runs a head_dim-128 variant of the model (the 8-bit kernel's only head_dim):
+a ring shard quantises its own keys (its own K mean and scales), so the bound is the scheme's noise, and
+the log-sum-exp merge must add back each shard's K-smoothing shift (measured 0 (Ulysses), 4.4e-3 (ring
+and unified)). diffusers' native backend cannot
+serve ring attention on CPU (no log-sum-exp), so pictor's own single process is the reference.
 """
 
 from __future__ import annotations
@@ -28,14 +31,20 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 CONFIG = {**TINY_FLUX1_CONFIG, "num_layers": 1}
 MODES = {2: [("ulysses2", 2, 1), ("ring2", 1, 2)], 4: [("unified2x2", 2, 2)]}
 SHAPES = {2: ((3, 6), 10), 4: ((7, 4), 12)}  # world -> (latent (h, w), text tokens): odd per-rank counts
-BACKENDS = {"pictor": (torch.float32, 1e-5), "pictor_bf16": (torch.bfloat16, 2.0**-7)}
+CONFIG_128 = {**CONFIG, "attention_head_dim": 128, "num_attention_heads": 2, "axes_dims_rope": (16, 56, 56)}
+BACKENDS = {
+    "pictor": (torch.float32, 1e-5, CONFIG),
+    "pictor_bf16": (torch.bfloat16, 2.0**-7, CONFIG),
+    "pictor_fp8": (torch.bfloat16, 2e-2, CONFIG_128),
+}
+"""backend -> (model dtype, bound on the max relative difference to one process, model config)."""
 
 
 def _forward(name: str, world: int, degrees: tuple[int, int] | None) -> torch.Tensor:
     from diffusers import ContextParallelConfig
 
-    dtype = BACKENDS[name][0]
-    model = build_flux1_transformer(CONFIG).to(dtype)
+    dtype, _, config = BACKENDS[name]
+    model = build_flux1_transformer(config).to(dtype)
     model.set_attention_backend(name)
     if degrees is not None:
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degrees[0], ring_degree=degrees[1]))

@@ -12,11 +12,14 @@ kernel of the path's family.
   SDPA's math backend (the yardstick of test_gpu_model16.py), + 1e-4.
 
 Token counts: 138 (not a multiple of 128) and 128, batch 1 and 2, separate and
-fused projections.
+fused projections. Direct dispatcher calls: masks, `pictor_bf16` reading token-major
+q/k/v in place, and `pictor_fp8` running the 8-bit kernel (its 16-bit fallback at
+head_dim 64).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -195,6 +198,23 @@ def test_key_padding_mask(batch: int, seq_q: int, seq_k: int, name: str, dtype: 
     assert error <= bound, f"{name} {dtype}: rel L2 {error:.3e} > {bound:.3e}"
 
 
+def token_major_qkv(
+    batch: int, seq_q: int, seq_k: int, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Seeded N(0, 1) bf16 q `[B, Nq, 4, 128]`, k, v `[B, Nk, 4, 128]` on CUDA and their head-major contiguous
+    copies; skips when `kernel` cannot run them here."""
+    from pictor_diffusers.launch import cannot_run
+
+    generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
+    query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).bfloat16()
+    key, value = (torch.randn(batch, seq_k, 4, 128, device="cuda", generator=generator).bfloat16() for _ in "kv")
+    head_major = [t.transpose(1, 2).contiguous() for t in (query, key, value)]
+    reason = cannot_run(kernel, *head_major)
+    if reason is not None:
+        pytest.skip(f"the {kernel} kernel cannot run here: {reason}")
+    return query, key, value, head_major
+
+
 @pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(2, 300, 300), (1, 4608, 4608), (2, 4096, 512)])
 def test_bf16_backend_reads_token_major_in_place(batch: int, seq_q: int, seq_k: int) -> None:
     """`pictor_bf16` on bf16 `[B, N, H, 128]` hands the dispatcher's token-major tensors to the Hopper kernel
@@ -202,15 +222,8 @@ def test_bf16_backend_reads_token_major_in_place(batch: int, seq_q: int, seq_k: 
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     from pictor_diffusers import attention
-    from pictor_diffusers.launch import cannot_run
 
-    generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
-    query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).bfloat16()
-    key, value = (torch.randn(batch, seq_k, 4, 128, device="cuda", generator=generator).bfloat16() for _ in "kv")
-    head_major = [t.transpose(1, 2).contiguous() for t in (query, key, value)]
-    reason = cannot_run("wgmma", *head_major)
-    if reason is not None:
-        pytest.skip(f"the wgmma kernel cannot run here: {reason}")
+    query, key, value, head_major = token_major_qkv(batch, seq_q, seq_k, "wgmma")
     expected = attention(*head_major).view(query.shape)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
@@ -218,3 +231,27 @@ def test_bf16_backend_reads_token_major_in_place(batch: int, seq_q: int, seq_k: 
     allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
     assert torch.equal(out, expected), "the token-major call differs from the head-major launch"
     assert allocations == 1, f"{allocations} allocations (expected the output only)"
+
+
+EIGHT_BIT_REL_L2 = 0.06
+"""The 8-bit scheme's bound against float64 on N(0, 1) inputs (the kernel measures 3.5e-2 to 4.9e-2)."""
+
+
+@pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(2, 300, 300), (1, 4608, 4608), (2, 4096, 512)])
+def test_fp8_backend_runs_the_8bit_kernel(batch: int, seq_q: int, seq_k: int) -> None:
+    """`pictor_fp8` on bf16 `[B, N, H, 128]`: `attention(kernel="fp8")`'s result on head-major copies, bit for
+    bit, within the 8-bit bound of float64; at head_dim 64 (no 8-bit build) `pictor_bf16`'s result."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from pictor_diffusers import attention
+
+    query, key, value, head_major = token_major_qkv(batch, seq_q, seq_k, "fp8")
+    out = dispatch_attention_fn(query, key, value, backend="pictor_fp8")
+    assert torch.equal(out, attention(*head_major, kernel="fp8").view(query.shape))
+    exact = torch.nn.functional.scaled_dot_product_attention(*(t.double() for t in head_major)).transpose(1, 2)
+    assert rel_l2(out, exact) <= EIGHT_BIT_REL_L2
+    narrow = [t[..., :64].contiguous() for t in (query, key, value)]
+    with warnings.catch_warnings():  # the fallback's warning is tested on CPU (test_backend_fp8.py)
+        warnings.simplefilter("ignore")
+        fallback = dispatch_attention_fn(*narrow, backend="pictor_fp8")
+    assert torch.equal(fallback, dispatch_attention_fn(*narrow, backend="pictor_bf16"))
