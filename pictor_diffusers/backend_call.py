@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from .launch import cannot_run
+from .launch import resolve
 from .ops import attention
 from .registry import BY_NAME, MAX_HEAD_DIM
+from .selection import NoKernelError
 from .validation import OUT_DTYPE_CHOICES, check_scale
 
 _MAX_GRID = 65535
@@ -125,24 +126,34 @@ def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype=dtype, memory_format=torch.contiguous_format)
 
 
-def _runnable(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
-    """`kernel`, or "auto" (the 16-bit path, one warning per reason) where the named 8-bit kernel cannot
-    take these `[B, H, N, D]` inputs: another head_dim, or a CUDA device it does not run on."""
-    if kernel == "auto":
-        return kernel
-    head_dims = BY_NAME[kernel].head_dims
-    if query.shape[-1] not in head_dims:
-        reason = f"head_dim={query.shape[-1]} (it takes {head_dims})"
-    else:
-        reason = cannot_run(kernel, query, key, value) if query.device.type == "cuda" else None
+def _runnable(kernel: str, compute: torch.dtype, tensors: tuple[torch.Tensor, ...], masked: bool) -> str:
+    """`kernel`, or "auto" (pictor's 16-bit path, one warning per reason) where the named 8-bit kernel cannot
+    take the dispatcher's q, k, v `[B, N, H, D]` once in `compute`: another head_dim, or, on CUDA in eager
+    mode, a device or build it cannot run (`launch.resolve`). Under torch.compile only the head_dim is
+    checked (resolving reads data pointers and loads kernels; the kernel's own error names any other
+    reason) and the fallback is not warned about (dynamo cannot trace `warnings.warn`).
+    """
+    query = tensors[0]
+    head_dim, head_dims = query.shape[-1], BY_NAME[kernel].head_dims
+    reason = None
+    if head_dim not in head_dims:
+        reason = f"head_dim={head_dim} (the {kernel!r} kernel takes {head_dims})"
+    elif query.device.type == "cuda" and not torch.compiler.is_compiling():
+        in_place = query.dtype == compute  # else each tensor is cast into a new, aligned one
+        aligned = not in_place or not any(t.data_ptr() % 16 for t in tensors)
+        try:
+            resolve(kernel, compute, compute, head_dim, query.device.index, aligned, key_lens=masked)
+        except NoKernelError as error:
+            reason = str(error)
     if reason is None:
         return kernel
-    warn_once(
-        f"{kernel}:{reason}",
-        f"pictor-diffusers: the 8-bit {kernel!r} kernel cannot run {reason}; those attention calls run "
-        "pictor's 16-bit path instead (warned once per reason)",
-        stacklevel=6,  # the model's processor, which called dispatch_attention_fn
-    )
+    if not torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn; the choice is the same
+        warn_once(
+            f"{kernel}:{reason}",
+            f"pictor-diffusers: the 8-bit path cannot take this attention call ({reason}); such calls run "
+            "pictor's 16-bit path instead (warned once per reason)",
+            stacklevel=5,  # the model's processor, which called dispatch_attention_fn
+        )
     return "auto"
 
 
@@ -168,7 +179,6 @@ def _serve(
         k, v = _gathered(key, kept_first, compute), _gathered(value, kept_first, compute)
         key_lens = padding.sum(1, dtype=torch.int32)
     out_dtype = dtype if compute == torch.float32 else compute
-    kernel = _runnable(kernel, q, k, v)
     result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens, kernel=kernel)
     out, lse = result if return_lse else (result, None)
     out = out.to(dtype).view(batch, seq, heads, head_dim)
@@ -205,10 +215,10 @@ def make_backend(
 ) -> Callable[..., Output]:  # fmt: skip
     """The backend function for `name`, with the parameter names diffusers' dispatcher passes.
 
-    `compute`: q, k, v's dtype for the kernel; `kernel`: "auto" or an 8-bit kernel (`_runnable`);
-    `template`: diffusers' context-parallel template (`context_parallel_template`), or None.
+    `compute`: q, k, v's dtype for the kernel; `kernel`: "auto" or an 8-bit kernel, chosen per call where it
+    can run (`_runnable`); `template`: diffusers' context-parallel template (`context_parallel_template`), or None.
     """
-    forward_op = _forward_op(compute, kernel)
+    forward_ops = {choice: _forward_op(compute, choice) for choice in {kernel, "auto"}}
 
     def backend(
         query: torch.Tensor,
@@ -229,15 +239,21 @@ def make_backend(
         if problem is None and _parallel_config is not None and attn_mask is not None:
             problem = ("parallel_mask", "a key-padding mask under context parallelism")
         if problem is None:
+            chosen = (
+                kernel if kernel == "auto" else _runnable(kernel, compute, (query, key, value), padding is not None)
+            )
             if _parallel_config is not None:
                 call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
                 return template(
-                    *call, forward_op=forward_op, backward_op=_no_backward_op, _parallel_config=_parallel_config
+                    *call,
+                    forward_op=forward_ops[chosen],
+                    backward_op=_no_backward_op,
+                    _parallel_config=_parallel_config,
                 )
             if _profiling():
                 with torch.profiler.record_function("pictor::attention"):
-                    return _serve(query, key, value, scale, compute, kernel, return_lse, padding)
-            return _serve(query, key, value, scale, compute, kernel, return_lse, padding)
+                    return _serve(query, key, value, scale, compute, chosen, return_lse, padding)
+            return _serve(query, key, value, scale, compute, chosen, return_lse, padding)
         reason, detail = problem
         if return_lse:
             raise NotImplementedError(

@@ -8,8 +8,9 @@ backend within two bf16 ulps (diffusers' ring template merges partial outputs al
 the backend, then rounds the merged result again; measured 0 (Ulysses), 2.7e-3 (ring), 5.4e-3
 (unified)). "pictor_fp8" runs a head_dim-128 variant of the model (the 8-bit kernel's only head_dim):
 a ring shard quantises its own keys (its own K mean and scales), so the bound is the scheme's noise, and
-the log-sum-exp merge must add back each shard's K-smoothing shift (measured 0 (Ulysses), 4.4e-3 (ring
-and unified)). diffusers' native backend cannot
+the log-sum-exp merge must add back each shard's K-smoothing shift (measured 4.4e-3 under ring and
+unified); under Ulysses each rank quantises whole heads as one process does, so it must match exactly (the
+16-bit path there would be 4.4e-3 off). diffusers' native backend cannot
 serve ring attention on CPU (no log-sum-exp), so pictor's own single process is the reference.
 """
 
@@ -80,8 +81,9 @@ def parallel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def test_backend_context_parallel_matches_one_process(parallel: tuple[int, Path], name: str) -> None:
     world, folder = parallel
     reference = _forward(name, world, None)
-    bound = BACKENDS[name][1]
     for mode, _, _ in MODES[world]:
+        # Ulysses gives each rank whole heads: the 8-bit kernel quantises them as one process does, exactly
+        bound = 0.0 if (name, mode) == ("pictor_fp8", "ulysses2") else BACKENDS[name][1]
         out = torch.load(folder / f"{mode}-{name}.pt")
         assert out.shape == reference.shape and out.dtype == reference.dtype and torch.isfinite(out).all()
         error = ((out.double() - reference.double()).abs().max() / reference.double().abs().max()).item()

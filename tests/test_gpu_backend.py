@@ -255,3 +255,17 @@ def test_fp8_backend_runs_the_8bit_kernel(batch: int, seq_q: int, seq_k: int) ->
         warnings.simplefilter("ignore")
         fallback = dispatch_attention_fn(*narrow, backend="pictor_fp8")
     assert torch.equal(fallback, dispatch_attention_fn(*narrow, backend="pictor_bf16"))
+
+
+def test_fp8_backend_compiles_to_its_eager_result() -> None:
+    """`torch.compile(fullgraph=True)` through `pictor_fp8` on CUDA (the backend decides from the head_dim
+    alone there: resolving a kernel reads data pointers) gives the eager call's result, bit for bit."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    query, key, value, _ = token_major_qkv(1, 300, 300, "fp8")
+    compiled = torch.compile(lambda q, k, v: dispatch_attention_fn(q, k, v, backend="pictor_fp8"), fullgraph=True)
+    try:
+        out = compiled(query, key, value)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, dispatch_attention_fn(query, key, value, backend="pictor_fp8"))
