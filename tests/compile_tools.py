@@ -33,8 +33,8 @@ def ptx_for(variant: Variant, arch: str) -> str:
     return compile_ptx(variant, arch)
 
 
-def ptxas_report(ptx: str, arch: str, tmp_path: Path) -> str:
-    """`ptxas -v` output for `ptx` assembled for `arch`; skips if ptxas is older than the PTX."""
+def ptxas_report(ptx: str, arch: str, tmp_path: Path) -> str | None:
+    """`ptxas -v` output for `ptx` assembled for `arch`; None if ptxas is older than the PTX."""
     ptx_file, cubin = tmp_path / "kernel.ptx", tmp_path / "kernel.cubin"
     ptx_file.write_text(ptx, encoding="utf-8")
     result = subprocess.run(
@@ -46,7 +46,7 @@ def ptxas_report(ptx: str, arch: str, tmp_path: Path) -> str:
     )
     report = result.stdout + result.stderr
     if result.returncode != 0 and "Unsupported .version" in report:
-        pytest.skip(f"ptxas on PATH is older than the PTX from NVRTC: {report.strip()}")
+        return None
     assert result.returncode == 0, f"ptxas failed:\n{report}"
     assert cubin.stat().st_size > 0
     return report

@@ -7,7 +7,8 @@
 * The geometry comes from the registry as `-D`: dropping any define fails
   the compile by `#error`, and a wrong value fails a kernel `static_assert`.
 * One block fits the register file, and no variant that runs FLUX.2 spills:
-  by ptxas where it is on PATH, else from NVRTC's own cubin by cuobjdump.
+  by ptxas where it is on PATH and takes NVRTC's PTX, else from NVRTC's own
+  cubin by cuobjdump.
 * The wgmma cubins are complete ELFs whose SASS holds HGMMA (IGMMA and QGMMA for fp8) and no local memory.
 
 Tests skip with the reason when CuPy (NVRTC) or the tools a check needs are absent.
@@ -102,10 +103,8 @@ def test_compiles_with_its_family_instructions(variant: Variant, arch: str) -> N
 @needs_cupy
 @pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=BUILD_IDS)
 def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_path: Path) -> None:
-    if shutil.which("ptxas"):
-        resources = parse_resources(ptxas_report(ptx_for(variant, arch), arch, tmp_path))
-    else:
-        resources = cubin_resources(variant, arch, tmp_path)
+    report = ptxas_report(ptx_for(variant, arch), arch, tmp_path) if shutil.which("ptxas") else None
+    resources = parse_resources(report) if report else cubin_resources(variant, arch, tmp_path)
     print(f"{variant.name} {arch}: {resources}")
     assert resources["registers"] * variant.spec.threads <= 65536, f"one block does not fit: {resources}"
     if variant.name in MAY_SPILL:
