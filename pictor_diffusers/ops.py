@@ -17,11 +17,23 @@ from .geometry import Window
 from .launch import attention_cuda
 from .quant_reference import kernel_twin
 from .reference import online_softmax_attention
-from .registry import eight_bit_kernels
+from .registry import BY_NAME, eight_bit_kernels
 from .validation import check_attention_inputs, check_kernel_choice, check_key_lens, check_scale
 
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EIGHT_BIT = eight_bit_kernels()
+
+
+def _twin(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str,
+    return_lse: bool = False, key_lens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The 8-bit kernel's CPU twin (`kernel_twin`), refusing what the kernel refuses: a head_dim outside
+    its registry row's."""
+    head_dims = BY_NAME[kernel].head_dims
+    if query.shape[-1] not in head_dims:
+        raise ValueError(f"kernel={kernel!r} takes head_dim {head_dims}, got head_dim={query.shape[-1]}")
+    return kernel_twin(query, key, value, scale, return_lse=return_lse, key_lens=key_lens)
 
 
 def _attention_impl(
@@ -37,7 +49,7 @@ def _attention_impl(
     if query.device.type == "cuda":
         return attention_cuda(query, key, value, scale, kernel, out_dtype, key_lens=key_lens)
     if kernel in EIGHT_BIT:
-        return kernel_twin(query, key, value, scale, key_lens=key_lens).to(out_dtype)
+        return _twin(query, key, value, scale, kernel, key_lens=key_lens).to(out_dtype)
     upcast = tuple(t.float() for t in (query, key, value))
     return online_softmax_attention(*upcast, scale, key_lens=key_lens).to(out_dtype)
 
@@ -57,7 +69,7 @@ def _attention_lse_impl(
         lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device)
         return attention_cuda(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens), lse
     if kernel in EIGHT_BIT:
-        out, lse = kernel_twin(query, key, value, scale, return_lse=True, key_lens=key_lens)
+        out, lse = _twin(query, key, value, scale, kernel, return_lse=True, key_lens=key_lens)
         return out.to(out_dtype), lse
     upcast = tuple(t.float() for t in (query, key, value))
     out, lse = online_softmax_attention(*upcast, scale, return_lse=True, key_lens=key_lens)
@@ -207,7 +219,7 @@ def attention(
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
     (`pictor_diffusers.reference`); "fp8" runs its quantised twin
-    (`pictor_diffusers.quant_reference.kernel_twin`).
+    (`pictor_diffusers.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
     """
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)

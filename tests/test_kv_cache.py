@@ -16,6 +16,7 @@ import torch
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing.models import (
     HAS_KV_PROCESSORS,
+    TINY_CONFIG,
     build_transformer,
     image_ids,
     set_kv_processors,
@@ -69,8 +70,9 @@ def test_both_modes_match_diffusers_kv_processors(batch: int) -> None:
 
 
 def test_fp8_modes_stay_within_its_quantisation_error() -> None:
-    """Both KV modes on the 8-bit path (its CPU twin here) against diffusers' processors."""
-    model = build_transformer(seed=0)
+    """Both KV modes on the 8-bit path (its CPU twin here, at the kernel's head_dim 128) against diffusers'
+    processors."""
+    model = build_transformer({**TINY_CONFIG, "attention_head_dim": 128, "axes_dims_rope": (32,) * 4}, seed=0)
     set_kv_processors(model)
     stock_extract, stock_cached, _ = kv_steps(model, 1)
     model.set_attn_processor(PictorAttn(precision="fp8"))

@@ -223,3 +223,13 @@ def test_twin_lse_merges_key_shards(offset: float) -> None:
     merged = out_a * weight_a + out_b * weight_b
     single = kernel_twin(q, k, v, 128**-0.5)
     assert rel_l2(merged, exact) <= 1.2 * rel_l2(single, exact)
+
+
+@pytest.mark.parametrize("head_dim", [64, 129], ids=lambda d: f"D{d}")
+def test_the_cpu_twin_refuses_what_the_kernel_refuses(head_dim: int) -> None:
+    """On CPU `attention(kernel="fp8")` runs the kernel's twin, and refuses a head_dim the kernel has no build for."""
+    from pictor_diffusers import attention
+
+    q, k, v = (torch.randn(1, 2, 40, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match=rf"kernel='fp8' takes head_dim \(128,\), got head_dim={head_dim}"):
+        attention(q, k, v, kernel="fp8")
