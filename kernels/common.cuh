@@ -380,6 +380,20 @@ struct pk_ring {
     }
 };
 
+/* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to 24) and its
+   thread 0 runs `produce` (the TMA copies); the consumer warpgroups take them (240) and run `consume`. */
+template <typename Produce, typename Consume>
+__device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
+{
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        if (threadIdx.x == 0) produce();
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        consume();
+    }
+}
+
 /* Shared-memory matrix descriptor, 128-byte swizzle; lead and stride in bytes. */
 __device__ __forceinline__ unsigned long long pk_wgmma_desc(unsigned int addr, unsigned int lead, unsigned int stride)
 {

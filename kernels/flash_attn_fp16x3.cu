@@ -310,15 +310,11 @@ joint_attention_fp16x3(
 
     m.init<X3_CONSUMER_WARPS>();
 
-    if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-        if (threadIdx.x == 0) {
+    pk_specialise(
+        [&] {
             const int head = (int)(blockIdx.z * num_heads + blockIdx.y);
             x3_produce(m, &tm_q, &tm_k, &tm_v, head, (int)(gridDim.y * gridDim.z), blockIdx.x * X3_BQ, seq_q,
                        n_tiles);
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        x3_consume(m, out, lse, colmax, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles);
-    }
+        },
+        [&] { x3_consume(m, out, lse, colmax, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles); });
 }

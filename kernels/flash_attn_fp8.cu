@@ -339,14 +339,12 @@ joint_attention_fp8(
 
     m.init<F8_CONSUMER_WARPS>();
 
-    if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-        if (threadIdx.x == 0) {
+    pk_specialise(
+        [&] {
             f8_produce(m, &tm_q, &tm_k, &tm_vt, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * F8_BQ), n_tiles);
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        const f8_scales scales = {q_scale, k_scale, v_scale, q_shift};
-        f8_consume(m, out, lse, scales, num_heads, seq_q, seq_k, out_pitch, n_tiles, k_tiles);
-    }
+        },
+        [&] {
+            const f8_scales scales = {q_scale, k_scale, v_scale, q_shift};
+            f8_consume(m, out, lse, scales, num_heads, seq_q, seq_k, out_pitch, n_tiles, k_tiles);
+        });
 }

@@ -266,13 +266,9 @@ joint_attention_wgmma(
 
     m.init<WG_CONSUMER_WARPS>();
 
-    if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-        if (threadIdx.x == 0) {
+    pk_specialise(
+        [&] {
             wg_produce(m, &tm_q, &tm_k, &tm_v, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * WG_BQ), n_tiles);
-        }
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        wg_consume(m, out, lse, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles);
-    }
+        },
+        [&] { wg_consume(m, out, lse, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles); });
 }
