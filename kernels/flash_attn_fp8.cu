@@ -11,11 +11,17 @@
        s32 -> f32 without I2F: int x + 0x4B400000 is the f32 1.5 * 2^23 + x
        exactly for |x| < 2^22 (|x| <= 128 * 127^2 here), and the bias is
        folded into the softmax's FFMA offset.
-     * online softmax in f32, exp2 domain; P = 448 * 2^(s - m) (the E4M3
-       maximum folded into the exponent) rounded to FP8 E4M3 (satfinite).
+     * online softmax in f32, exp2 domain; P = 112 * 2^(s - m) (448 / 2^F8_SLACK
+       folded into the exponent) rounded to FP8 E4M3 (satfinite). m, the row's
+       reference maximum, moves only when a tile's maximum passes it by more
+       than F8_SLACK = 2 (so P <= 448), which spares O's rescale on most tiles.
      * O += P V on FP8 E4M3 (wgmma e4m3 x e4m3 -> f32): each tile's four k32
-       steps accumulate into the f32 O registers, no long low-precision sums.
-     * out = O * v_scale[d] / l, l the row sum of 448 * 2^(s - m).
+       steps accumulate into the f32 O registers.
+     * l: the row sums of the rounded P, by an m64n8k32 wgmma per k32 step
+       against a block of ones, started from 0 every tile (the FP8 wgmma adds
+       with ~14 significant bits: summed over all keys in its accumulator, the
+       positive l lost 7% at 4608 keys and 33% at 16896), added to f32 in
+       registers. out = O * v_scale[d] / l.
    The P registers need no shuffle: S's accumulator holds, per thread and
    32-key chunk, keys {2t, 2t+1, 8+2t, 8+2t+1} (+16) of rows g and g+8, and
    the FP8 A fragment wants logical keys 4t..4t+3 (+16) of the same rows; the
@@ -26,9 +32,10 @@
    F8_SMEM_BYTES, F8_KEY_LENS from the host; static_asserts check them):
        grid  = (ceil(seq_q / 128), num_heads, batch)
        block = 384 threads = 3 warpgroups (producer, 2 consumers)
-       dynamic shared memory = 1024 + (1 + 2 F8_STAGES) * 16384 + 8 (1 + 4 F8_STAGES):
+       dynamic shared memory = 1024 + (1 + 2 F8_STAGES) * 16384 + 1024 + 8 (1 + 4 F8_STAGES):
            Q, F8_STAGES x (K, V^T) tiles of 128 x 128 bytes in TMA's 128-byte
-           swizzle, then the mbarriers (148,616 bytes at F8_STAGES = 4).
+           swizzle, 8 x 128 E4M3 ones, then the mbarriers (149,640 bytes at
+           F8_STAGES = 4).
    Layout (one plane per batch and head, windows of rows offset by the host):
        q8, k8 : int8 [batch][num_heads][seq_q or seq_k][128] (tensor maps, box
                 128 x 1 x 128 x 1; rows past the window zero-filled)
@@ -63,14 +70,17 @@
 
 #define F8_CONSUMER_WARPS 8
 #define F8_TILE_BYTES (128 * 128)
+#define F8_ONES_BYTES 1024                   /* 8 rows of 128 E4M3 ones: B of the row-sum wgmma */
 #define F8_BIAS 0x4B400000
 #define F8_BIAS_F 12582912.f
 #define F8_LOG2_P_SCALE 8.807354922057604f   /* log2(448) */
+#define F8_SLACK 2.f                         /* log2 units the running max may lag the true one */
 #define F8_MIN_FACTOR 1.17549435e-38f        /* the smallest normal f32: a factor never flushes to 0 (-inf * 0) */
-static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + 8 * (1 + 4 * F8_STAGES),
-              "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | mbarriers");
+static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + F8_ONES_BYTES + 8 * (1 + 4 * F8_STAGES),
+              "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | ones | mbarriers");
 static_assert(F8_SMEM_BYTES <= 227 * 1024, "F8_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
+#define F8_F4(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3])
 #define F8_R8(a, i) "+r"(a[i]), "+r"(a[i + 1]), "+r"(a[i + 2]), "+r"(a[i + 3]), \
                     "+r"(a[i + 4]), "+r"(a[i + 5]), "+r"(a[i + 6]), "+r"(a[i + 7])
 #define F8_R64(a) F8_R8(a, 0), F8_R8(a, 8), F8_R8(a, 16), F8_R8(a, 24), \
@@ -93,6 +103,16 @@ __device__ __forceinline__ void f8_mma_pv(float* o, const unsigned int* p, unsig
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " PK_ACC64
         ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
         : PK_F64(o) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(b));
+}
+
+/* l (+)= P 1: the row sums of P (64 x 32 keys, E4M3) by the tensor cores, against 8 columns of ones in
+   shared memory; l[0] (= l[1]) is row g's sum, l[2] (= l[3]) row g + 8's. */
+__device__ __forceinline__ void f8_mma_rowsum(float* l, const unsigned int* p, unsigned long long ones, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : F8_F4(l, 0) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(ones), "r"(accumulate));
 }
 
 /* Two floats to two E4M3 bytes (lo, hi), rounded to nearest, saturated at 448. */
@@ -120,11 +140,16 @@ __device__ __forceinline__ void f8_issue_qk(int* s, unsigned int q_rows, unsigne
     pk_wgmma_commit();
 }
 
-/* O += P V: 4 k-steps of 32 (permuted) keys of the V^T tile. */
-__device__ __forceinline__ void f8_issue_pv(float* o, const unsigned int* p, unsigned int vt_tile)
+/* O += P V (4 k-steps of 32 (permuted) keys of the V^T tile) and lt = this tile's row sums of P, from 0:
+   a fresh sum per tile keeps the FP8 wgmma's short accumulation (~14 bits) to 128 terms. */
+__device__ __forceinline__ void f8_issue_pv(float* o, float* lt, const unsigned int* p, unsigned int vt_tile,
+                                            unsigned int ones)
 {
     #pragma unroll
-    for (int kk = 0; kk < F8_BK / 32; kk++) f8_mma_pv(o, p + 4 * kk, pk_wgmma_desc(vt_tile + kk * 32, 16, 1024));
+    for (int kk = 0; kk < F8_BK / 32; kk++) {
+        f8_mma_pv(o, p + 4 * kk, pk_wgmma_desc(vt_tile + kk * 32, 16, 1024));
+        f8_mma_rowsum(lt, p + 4 * kk, pk_wgmma_desc(ones + kk * 32, 16, 1024), kk > 0);
+    }
     pk_wgmma_commit();
 }
 
@@ -148,7 +173,20 @@ struct f8_smem : pk_ring<F8_STAGES> {
     __device__ unsigned int q() const { return base; }
     __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * F8_TILE_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + (1 + F8_STAGES + s) * F8_TILE_BYTES; }
+    __device__ unsigned int ones() const { return base + (1 + 2 * F8_STAGES) * F8_TILE_BYTES; }
 };
+
+/* The ones block (E4M3 1.0 = 0x38 in every byte, so its swizzle is moot), written once by threads 0..63 and
+   made visible to the tensor cores' async proxy; the __syncthreads of the ring's init orders it before any
+   wgmma. */
+__device__ __forceinline__ void f8_fill_ones(const f8_smem& m)
+{
+    if (threadIdx.x < F8_ONES_BYTES / 16) {
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(m.ones() + 16 * threadIdx.x), "r"(0x38383838u)
+                     : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+}
 
 __device__ __forceinline__ void f8_produce(const f8_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
                                            const pk_tensor_map* tm_vt, int head, int batch, int q0,
@@ -164,11 +202,29 @@ __device__ __forceinline__ void f8_produce(const f8_smem& m, const pk_tensor_map
     }
 }
 
+/* The largest of one row's 32 scores in this thread's part of the tile: four independent chains of
+   four, so the dependent maxima are 6 deep instead of 16. */
+__device__ __forceinline__ float f8_row_max(const float* row)
+{
+    float a = fmaxf(row[0], row[1]), b = fmaxf(row[4], row[5]), c = fmaxf(row[8], row[9]), d = fmaxf(row[12], row[13]);
+    #pragma unroll
+    for (int n = 4; n < F8_BK / 8; n += 4) {
+        a = fmaxf(a, fmaxf(row[4 * n], row[4 * n + 1]));
+        b = fmaxf(b, fmaxf(row[4 * n + 4], row[4 * n + 5]));
+        c = fmaxf(c, fmaxf(row[4 * n + 8], row[4 * n + 9]));
+        d = fmaxf(d, fmaxf(row[4 * n + 12], row[4 * n + 13]));
+    }
+    return fmaxf(fmaxf(a, b), fmaxf(c, d));
+}
+
 /* Tile j's online-softmax step on the s32 scores in s (bit patterns), leaving
-   P = 448 * 2^(factor * s - m) in s: `factor` is this warpgroup's q scale times
+   P = (448 / 2^F8_SLACK) * 2^(factor * s - m) in s: `factor` is this warpgroup's q scale times
    the tile's k scale; keys >= seq_k get P = 0. The I2F-free conversion (see the
-   header) leaves 1.5 * 2^23 + s in each register, removed inside the FFMA. */
-__device__ __forceinline__ void f8_softmax(float* s, float* m_run, float* l_run, float* corr, float factor,
+   header) leaves 1.5 * 2^23 + s in each register, removed inside the FFMA.
+   m, the row's reference maximum, moves only when the tile's maximum exceeds it by more than
+   F8_SLACK (log2 units; always on the first tile, where m = -inf): P <= 448 still, and O and l are
+   rescaled (corr != 1) only on those tiles. */
+__device__ __forceinline__ void f8_softmax(float* s, float* m_run, float* corr, float factor,
                                            unsigned int key0, unsigned int seq_k, unsigned int t)
 {
     #pragma unroll
@@ -177,22 +233,16 @@ __device__ __forceinline__ void f8_softmax(float* s, float* m_run, float* l_run,
     #pragma unroll
     for (int ri = 0; ri < 2; ri++) {
         float* row = s + 2 * ri;
-        float tile_max = PK_NEG_INF;
-        #pragma unroll
-        for (int n = 0; n < F8_BK / 8; n++) tile_max = fmaxf(tile_max, fmaxf(row[4 * n], row[4 * n + 1]));
-        tile_max = pk_quad_max(tile_max);
-        const float m_new = fmaxf(m_run[ri], (tile_max - F8_BIAS_F) * factor);
-        corr[ri] = pk_exp2(m_run[ri] - m_new);
-        m_run[ri] = m_new;
-        const float offset = fmaf(F8_BIAS_F, factor, m_new - F8_LOG2_P_SCALE);
-        float row_sum = 0.f;
+        const float m_tile = (pk_quad_max(f8_row_max(row)) - F8_BIAS_F) * factor;
+        const bool moves = m_tile > m_run[ri] + F8_SLACK;
+        corr[ri] = moves ? pk_exp2(m_run[ri] - m_tile) : 1.f;
+        m_run[ri] = moves ? m_tile : m_run[ri];
+        const float offset = fmaf(F8_BIAS_F, factor, m_run[ri] - (F8_LOG2_P_SCALE - F8_SLACK));
         #pragma unroll
         for (int n = 0; n < F8_BK / 8; n++) {
             row[4 * n] = pk_exp2(fmaf(row[4 * n], factor, -offset));
             row[4 * n + 1] = pk_exp2(fmaf(row[4 * n + 1], factor, -offset));
-            row_sum += row[4 * n] + row[4 * n + 1];
         }
-        l_run[ri] = l_run[ri] * corr[ri] + row_sum;
     }
 }
 
@@ -212,22 +262,25 @@ __device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, floa
                                         unsigned int j)
 {
     const unsigned int st = j % F8_STAGES, prev = (j - 1) % F8_STAGES;
-    float corr[2];
+    float corr[2], lt[4];
     pk_bar_wait(m.k_full(st), (j / F8_STAGES) & 1);
     pk_bar_wait(m.v_full(prev), ((j - 1) / F8_STAGES) & 1);
     pk_pin<64>(s);
     pk_pin<64>(o);
     pk_wgmma_fence();
     f8_issue_qk((int*)s, r.q_rows, m.k(st));
-    f8_issue_pv(o, p_in, m.v(prev));
+    f8_issue_pv(o, lt, p_in, m.v(prev), m.ones());
     pk_wgmma_wait<1>();
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(st));
-    f8_softmax(s, m_run, l_run, corr, fmaxf(r.qs * r.ks[j], F8_MIN_FACTOR), j * F8_BK, r.seq_k, r.t);
+    f8_softmax(s, m_run, corr, fmaxf(r.qs * r.ks[j], F8_MIN_FACTOR), j * F8_BK, r.seq_k, r.t);
     f8_pack_p(p_out, s);
     pk_wgmma_wait<0>();
     pk_pin<64>(o);
+    pk_pin<4>(lt);
     pk_warp_arrive(m.v_free(prev));
+    l_run[0] = (l_run[0] + lt[0]) * corr[0];
+    l_run[1] = (l_run[1] + lt[2]) * corr[1];
     if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pk_rescale<F8_D / 8>(o, corr);
 }
 
@@ -254,10 +307,10 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     const float qs = q_block < q_blocks ? scales.q[plane * q_blocks + q_block] : 1.f;   /* rows past seq_q: unused */
     const float* ks = scales.k + plane * k_tiles;
 
-    float o[64], s[64], corr[2];
+    float o[64], s[64], corr[2], lt[4];
     unsigned int pa[16], pb[16];
     float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
-    float l_run[2] = {0.f, 0.f};
+    float l_run[2] = {0.f, 0.f};   /* this row's sum of the rounded P over the tiles before the one in flight */
     #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
 
@@ -268,7 +321,7 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     pk_wgmma_wait<0>();
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(0));
-    f8_softmax(s, m_run, l_run, corr, fmaxf(qs * ks[0], F8_MIN_FACTOR), 0, seq_k, t);
+    f8_softmax(s, m_run, corr, fmaxf(qs * ks[0], F8_MIN_FACTOR), 0, seq_k, t);
     f8_pack_p(pa, s);
 
     const f8_rows rows = {q_rows, qs, ks, seq_k, t};
@@ -284,15 +337,16 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
         #pragma unroll
         for (int i = 0; i < 16; i++) pa[i] = pb[i];
     }
-    f8_issue_pv(o, pa, m.v(last % F8_STAGES));
+    f8_issue_pv(o, lt, pa, m.v(last % F8_STAGES), m.ones());
     pk_wgmma_wait<0>();
     pk_pin<64>(o);
+    pk_pin<4>(lt);
 
     const float* vs = scales.v + plane * F8_D + 2 * t;
     const unsigned long long inner = (unsigned long long)num_heads * F8_D;
     #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float l = pk_quad_sum(l_run[r]);
+        const float l = l_run[r] + lt[2 * r];
         const unsigned int row = blockIdx.x * F8_BQ + c * 64 + warp * 16 + g + 8 * r;
         if (row >= seq_q) continue;
         const float inv = 1.f / l;
@@ -300,7 +354,7 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
         unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * F8_D + 2 * t;
         if (t == 0 && lse != nullptr) {
             const float shift = scales.shift[plane * seq_q + row];
-            pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - F8_LOG2_P_SCALE + shift, l);
+            pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - (F8_LOG2_P_SCALE - F8_SLACK) + shift, l);
         }
         #pragma unroll
         for (int n = 0; n < 16; n++) {
@@ -330,7 +384,8 @@ joint_attention_fp8(
     extern __shared__ __align__(1024) unsigned char f8_smem_raw[];
     f8_smem m;
     m.base = (pk_smem_addr(f8_smem_raw) + 1023u) & ~1023u;
-    m.bars = m.base + (1 + 2 * F8_STAGES) * F8_TILE_BYTES;
+    m.bars = m.ones() + F8_ONES_BYTES;
+    f8_fill_ones(m);
     const unsigned int k_tiles = (seq_k + F8_BK - 1) / F8_BK;   /* the window's: k_scale's pitch */
 #if F8_KEY_LENS
     if (pk_no_keys<F8_IN_KIND>(key_lens, seq_k, out, lse, F8_BQ, seq_q, num_heads, F8_D, out_pitch)) return;

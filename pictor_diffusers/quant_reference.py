@@ -9,11 +9,13 @@ What the kernel does, tile by tile, emulated in float32:
   round to nearest even, clamp to [-127, 127]. Q's scale also carries `scale * log2(e)` (exp2 domain).
 * Logits: the int32 product of the codes (exact in f32 too: |sum| <= 128 * 127^2 < 2^24) times
   q_scale * k_scale; online softmax over 128-key tiles in f32.
-* P in [0, 1] -> FP8 E4M3 as P * 448 (fixed scale: P <= 1, and E4M3's relative step does not depend on
-  the scale, which only decides where tiny P underflow); V -> E4M3, one scale per (b, h, channel).
-* P·V per tile in f32 from the FP8 values, added into the f32 accumulator; out = acc / l * v_scale / 448,
-  l the row sum of the unquantised f32 P. Options: V smoothing, a per-row P scale, a 14-bit wgmma
-  accumulator, FP8 Q/K, bf16 P·V and finer Q/K scale blocks, for the study `benchmarks/quant_study.py`.
+* A row's reference max m moves only when a tile's max exceeds it by more than KERNEL_RESCALE_SLACK
+  (log2 units); P = 2^(s - m) in [0, 4] -> FP8 E4M3 as P * 448 / 4 (<= 448; E4M3's relative step does not
+  depend on the scale, which only decides where tiny P underflow); V -> E4M3, one scale per (b, h, channel).
+* P·V per tile in f32 from the FP8 values, added into the f32 accumulator; out = acc / l * v_scale * 4 / 448,
+  l the row sum of the rounded P (the kernel's ones column below V). Options: V smoothing, a per-row P
+  scale, a 14-bit wgmma accumulator, FP8 Q/K, bf16 P·V, finer Q/K scale blocks, the exact row sum and no
+  slack, for the study `benchmarks/quant_study.py`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ Q_BLOCK = 64
 K_TILE = 128
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KERNEL_RESCALE_SLACK = 2.0  # F8_SLACK in flash_attn_fp8.cu
 InputSet = Literal["normal", "k_offset", "peaky", "v_offset"]
 INPUT_SETS = ("normal", "k_offset", "peaky", "v_offset")
 
@@ -129,6 +132,8 @@ def int8_fp8_attention(
     pv_format: Literal["fp8", "bf16"] = "fp8",
     q_block: int = Q_BLOCK,
     k_block: int = K_TILE,
+    rescale_slack: float = 0.0,
+    row_sum: Literal["exact", "rounded"] = "exact",
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention with 8-bit Q·K^T and FP8 P·V, emulating the planned kernel (see the module doc).
@@ -148,6 +153,10 @@ def int8_fp8_attention(
         pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
             SageAttention1-style alternative).
         q_block, k_block: rows per Q scale and keys per K scale (1 = per token); defaults 64 and 128.
+        rescale_slack: with p_scale "fixed", a row's reference max moves only when a tile's max exceeds it by
+            more than this (log2 units), and P is quantised as exp2(s - reference) * 448 / 2^slack (<= 448).
+        row_sum: "exact" sums P in f32 before rounding; "rounded" sums the rounded P that P·V uses (what the
+            kernel's ones column below V computes).
         return_lse: also return each row's natural log-sum-exp of its (quantised) scaled logits, with the
             shift K smoothing takes off them (scale * q . mean) added back.
 
@@ -156,6 +165,8 @@ def int8_fp8_attention(
     """
     if not pv_promote and p_scale != "fixed":
         raise ValueError(f"p_scale={p_scale!r} rescales each tile's P·V, so it needs pv_promote=True")
+    if rescale_slack and p_scale != "fixed":
+        raise ValueError(f"rescale_slack={rescale_slack} needs p_scale='fixed', not {p_scale!r}")
     batch, heads, seq, head_dim = query.shape
     scale = head_dim**-0.5 if scale is None else scale
     k, k_mean = smooth_k(key) if k_smoothing else (key.float(), torch.zeros_like(key[:, :, :1]).float())
@@ -166,9 +177,9 @@ def int8_fp8_attention(
     k_codes, k_scales = quantize(k, k_block)
     if pv_format == "fp8":
         v_codes, v_scales = quantize_fp8_channels(v - v_mean)
-        p_mult = FP8_MAX
+        p_mult = FP8_MAX * 2.0**-rescale_slack
     else:
-        v_codes, v_scales, p_mult = (v - v_mean).bfloat16(), torch.ones_like(v_mean), 1.0
+        v_codes, v_scales, p_mult = (v - v_mean).bfloat16(), torch.ones_like(v_mean), 2.0**-rescale_slack
     q8 = q_codes.float()
     q_row_scales = _per_row(q_scales, q_block, seq)
     k_col_scales = _per_row(k_scales, k_block, k.shape[2]).transpose(-1, -2)
@@ -179,13 +190,14 @@ def int8_fp8_attention(
         keys = slice(start, start + K_TILE)
         logits = (q8 @ k_codes[:, :, keys].float().transpose(-1, -2)) * (q_row_scales * k_col_scales[..., keys])
         tile_max = logits.amax(dim=-1, keepdim=True)
-        new_max = torch.maximum(running_max, tile_max)
+        new_max = torch.where(tile_max > running_max + rescale_slack, tile_max, running_max)
         correction = torch.exp2(running_max - new_max)
         reference_max = tile_max if p_scale == "row" else new_max
         weight = torch.exp2(reference_max - new_max)  # 1 with the fixed scale
         probs = torch.exp2(logits - reference_max)
-        running_sum = running_sum * correction + weight * probs.sum(dim=-1, keepdim=True)
-        p8 = to_e4m3(probs * p_mult).float() if pv_format == "fp8" else probs.bfloat16().float()
+        p8 = to_e4m3(probs * p_mult).float() if pv_format == "fp8" else (probs * p_mult).bfloat16().float()
+        tile_sum = probs.sum(dim=-1, keepdim=True) if row_sum == "exact" else p8.sum(dim=-1, keepdim=True) / p_mult
+        running_sum = running_sum * correction + weight * tile_sum
         v8 = v_codes[:, :, keys].float()
         if pv_promote:
             acc = acc * correction + weight * _tile_pv(p8, v8, pv_accum_bits, torch.zeros_like(acc))
@@ -199,6 +211,10 @@ def int8_fp8_attention(
     shift = scale * (query.float() @ k_mean.transpose(-1, -2))  # K smoothing took q . mean off the row's logits
     lse = (running_max + torch.log2(running_sum)) * math.log(2.0) + shift
     return out, lse.squeeze(-1).transpose(1, 2).contiguous()
+
+
+KERNEL_SCHEME = {"rescale_slack": KERNEL_RESCALE_SLACK, "row_sum": "rounded"}
+"""`int8_fp8_attention`'s options that are not its defaults in the kernel's scheme."""
 
 
 def kernel_twin(
@@ -215,7 +231,7 @@ def kernel_twin(
     Returns token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
     """
     if key_lens is None:
-        return int8_fp8_attention(query, key, value, scale, return_lse=return_lse)
+        return int8_fp8_attention(query, key, value, scale, return_lse=return_lse, **KERNEL_SCHEME)
     outs, lses = [], []
     _, heads, seq, head_dim = query.shape
     for b, count in enumerate(key_lens.clamp(0, key.shape[2]).tolist()):
@@ -224,7 +240,9 @@ def kernel_twin(
             lses.append(torch.full((1, seq, heads), float("-inf"), device=query.device))
             continue
         rows = slice(b, b + 1)
-        out, lse = int8_fp8_attention(query[rows], key[rows, :, :count], value[rows, :, :count], scale, return_lse=True)
+        out, lse = int8_fp8_attention(
+            query[rows], key[rows, :, :count], value[rows, :, :count], scale, return_lse=True, **KERNEL_SCHEME
+        )
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs)

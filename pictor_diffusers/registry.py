@@ -39,8 +39,8 @@ def _wgmma_smem(d: int) -> int:
 
 
 def _fp8_smem(d: int) -> int:
-    """Q, four stages of K and V^T (128 x 128 one-byte codes each), mbarriers."""
-    return 1024 + (1 + 2 * 4) * 128 * d + 8 * (1 + 4 * 4)
+    """Q, four stages of K and V^T (128 x 128 one-byte codes each), 8 x 128 ones for the row sums, mbarriers."""
+    return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
 
 
 def _fp16x3_smem(d: int) -> int:

