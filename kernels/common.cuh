@@ -24,7 +24,7 @@
                   pk_cp_async_commit, pk_cp_async_wait_all
      Hopper       pk_tensor_map, pk_bar_* (mbarriers), pk_ring (the K/V
                   ring's mbarriers), pk_copy_box (TMA),
-                  pk_wgmma_desc/fence/commit/wait, pk_pin (sm_90a only; unused
+                  pk_wgmma_desc, pk_desc_advance, pk_wgmma_fence/commit/wait, pk_pin (sm_90a only; unused
                   helpers emit no code, so other targets compile this header)
 
    Accumulator layout (mma.sync m16n8kX, and each warp's 16 rows of a wgmma
@@ -399,6 +399,13 @@ __device__ __forceinline__ unsigned long long pk_wgmma_desc(unsigned int addr, u
 {
     return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
            ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+
+/* The same descriptor `bytes` further on (a multiple of 16; the address field is addr >> 4 and the smem
+   window is < 2^18 bytes, so the add cannot carry out of it): one add instead of a descriptor rebuilt. */
+__device__ __forceinline__ unsigned long long pk_desc_advance(unsigned long long desc, unsigned int bytes)
+{
+    return desc + (bytes >> 4);
 }
 
 __device__ __forceinline__ void pk_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

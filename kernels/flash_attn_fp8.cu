@@ -133,9 +133,10 @@ __device__ __forceinline__ void f8_copy_tile(unsigned int dst, const pk_tensor_m
 /* S = Q K^T for one warpgroup: 4 k-steps of 32 bytes in one 128-byte slab. */
 __device__ __forceinline__ void f8_issue_qk(int* s, unsigned int q_rows, unsigned int k_tile)
 {
+    const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < F8_D / 32; kk++) {
-        f8_mma_qk(s, pk_wgmma_desc(q_rows + kk * 32, 16, 1024), pk_wgmma_desc(k_tile + kk * 32, 16, 1024), kk > 0);
+        f8_mma_qk(s, pk_desc_advance(a, kk * 32), pk_desc_advance(b, kk * 32), kk > 0);
     }
     pk_wgmma_commit();
 }
@@ -145,10 +146,11 @@ __device__ __forceinline__ void f8_issue_qk(int* s, unsigned int q_rows, unsigne
 __device__ __forceinline__ void f8_issue_pv(float* o, float* lt, const unsigned int* p, unsigned int vt_tile,
                                             unsigned int ones)
 {
+    const unsigned long long v = pk_wgmma_desc(vt_tile, 16, 1024), one = pk_wgmma_desc(ones, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < F8_BK / 32; kk++) {
-        f8_mma_pv(o, p + 4 * kk, pk_wgmma_desc(vt_tile + kk * 32, 16, 1024));
-        f8_mma_rowsum(lt, p + 4 * kk, pk_wgmma_desc(ones + kk * 32, 16, 1024), kk > 0);
+        f8_mma_pv(o, p + 4 * kk, pk_desc_advance(v, kk * 32));
+        f8_mma_rowsum(lt, p + 4 * kk, pk_desc_advance(one, kk * 32), kk > 0);
     }
     pk_wgmma_commit();
 }

@@ -110,10 +110,11 @@ __device__ __forceinline__ void wg_mma_ss(float* acc, unsigned long long a, unsi
 /* S = Q K^T for one warpgroup: 8 k-steps of 16 columns, 4 per slab. */
 __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsigned int k_tile)
 {
+    const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < WG_D / 16; kk++) {
         const unsigned int offset = (kk / 4) * WG_SLAB_BYTES + (kk % 4) * 32;
-        wg_mma_ss(s, pk_wgmma_desc(q_rows + offset, 16, 1024), pk_wgmma_desc(k_tile + offset, 16, 1024), kk > 0);
+        wg_mma_ss(s, pk_desc_advance(a, offset), pk_desc_advance(b, offset), kk > 0);
     }
     pk_wgmma_commit();
 }
@@ -121,10 +122,9 @@ __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsig
 /* O += P V: 8 k-steps of 16 keys; the two 64-column slabs of V are LBO apart. */
 __device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, unsigned int v_tile)
 {
+    const unsigned long long b = pk_wgmma_desc(v_tile, WG_SLAB_BYTES, 1024);
     #pragma unroll
-    for (int kk = 0; kk < WG_BK / 16; kk++) {
-        pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, pk_wgmma_desc(v_tile + kk * 16 * 128, WG_SLAB_BYTES, 1024), 1);
-    }
+    for (int kk = 0; kk < WG_BK / 16; kk++) pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, pk_desc_advance(b, kk * 16 * 128), 1);
     pk_wgmma_commit();
 }
 
