@@ -15,6 +15,7 @@ B 1, H 1, D 128, N 1000 and 4608; cos / rel L1 as a multiple of the bf16 path's)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import cache, partial
 
@@ -23,6 +24,8 @@ import torch
 
 from pictor_diffusers.quant_reference import (
     FP8_MAX,
+    KERNEL_RESCALE_SLACK,
+    KERNEL_SCHEME,
     bf16_path_attention,
     error_metrics,
     int8_fp8_attention,
@@ -36,6 +39,7 @@ from pictor_diffusers.quant_reference import (
     truncate_mantissa,
 )
 from pictor_diffusers.reference import online_softmax_attention
+from pictor_diffusers.sources import read_source
 from pictor_diffusers.testing.references import attention_float64, rel_l2
 
 COS_TARGET, L1_FACTOR = 0.9995, 3.0
@@ -233,3 +237,35 @@ def test_the_cpu_twin_refuses_what_the_kernel_refuses(head_dim: int) -> None:
     q, k, v = (torch.randn(1, 2, 40, head_dim, dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(ValueError, match=rf"kernel='fp8' takes head_dim \(128,\), got head_dim={head_dim}"):
         attention(q, k, v, kernel="fp8")
+
+
+def test_twin_runs_the_kernels_slack_and_row_sums() -> None:
+    """`kernel_twin` is the kernel's scheme: its slack is F8_SLACK in flash_attn_fp8.cu, its l the rounded P's."""
+    match = re.search(r"#define F8_SLACK ([0-9.]+)f", read_source("flash_attn_fp8.cu"))
+    assert match is not None and float(match.group(1)) == KERNEL_RESCALE_SLACK
+    assert KERNEL_SCHEME == {"rescale_slack": KERNEL_RESCALE_SLACK, "row_sum": "rounded"}
+
+
+def test_lagging_reference_max_never_saturates_p() -> None:
+    """Logits that grow from tile to tile by less than the slack: the reference max lags the true one by up to
+    2 (log2), so P reaches 4 before rounding and must be scaled by 448 / 4 to stay within E4M3's 448. Measured:
+    rel L2 to float64 3.90e-2 with slack 2, 3.73e-2 without; scaling by 448 instead clamps P and gives 0.24."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, 200, 128, generator=generator)
+    k = torch.randn(1, 2, 1024, 128, generator=generator) * torch.linspace(1.0, 2.5, 1024).view(1, 1, -1, 1)
+    v = torch.randn(1, 2, 1024, 128, generator=generator)
+    exact = attention_float64(q, k, v)
+    lagging = rel_l2(int8_fp8_attention(q, k, v, rescale_slack=2.0), exact)
+    assert lagging <= 1.1 * rel_l2(int8_fp8_attention(q, k, v), exact)
+
+
+def test_rounded_row_sums_normalise_what_p_v_weighs() -> None:
+    """With l the sum of the rounded P (the kernel's row-sum wgmma), constant V comes out exactly; with l from the
+    f32 P, off by P's rounding (measured: 1.2e-7 and 5.8e-3 at the most)."""
+    generator = torch.Generator().manual_seed(12)
+    q, k = (torch.randn(1, 2, 100, 128, generator=generator) for _ in range(2))
+    v = torch.full((1, 2, 300, 128), 0.75)
+    k = torch.cat([k, torch.randn(1, 2, 200, 128, generator=generator)], dim=2)
+    rounded = int8_fp8_attention(q, k, v, row_sum="rounded")
+    assert (rounded - 0.75).abs().max().item() <= 1e-6
+    assert (int8_fp8_attention(q, k, v) - 0.75).abs().max().item() >= 1e-4
