@@ -17,9 +17,10 @@ processor and mode on it:
   `model.enable_parallelism`; each mode's device mesh is made once and reused.
 
 Per row: `ms`, the median of `--reps` forwards after `--warmup`, each started on every rank together (a barrier)
-and timed by CUDA events (perf_counter on CPU); the max over ranks of each rank's median. `speedup_vs_single`
-(single ms / ms, same processor), `x_stock_same_mode` (ms / stock's ms in the same mode), and the output (the
-whole sequence, which diffusers gathers on every rank) against single of the same processor and single stock.
+and timed by CUDA events (perf_counter on CPU), each rep's time its slowest rank's. `speedup_vs_single` (single
+ms / ms, same processor; stock ring runs cuDNN, stock single native SDPA), `x_stock_same_mode` (ms / stock's ms in
+the same mode), and rank 0's output (the whole sequence, which diffusers gathers on every rank) against single of
+the same processor and single stock.
 `max_abs_across_ranks`: every rank's output against rank 0's. `restored_max_abs` (single rows): a single forward
 after the parallel modes against the first; `enable_parallelism` has no inverse and refuses a second call, so
 `disable_parallelism` removes its hooks and configs, and this checks that it leaves the model as it was.
@@ -215,7 +216,8 @@ def timed_forward(model: torch.nn.Module, inputs: dict, device: torch.device) ->
 
 
 def measure(model: torch.nn.Module, inputs: dict, warmup: int, reps: int, device: torch.device) -> dict:
-    """The last output, the max over ranks of each rank's median ms, its spread across ranks and peak memory."""
+    """The last output, the median over reps of each rep's slowest rank (ms), the spread across ranks and peak
+    memory."""
     for _ in range(warmup):
         forward(model, inputs)
     if device.type == "cuda":
@@ -227,7 +229,7 @@ def measure(model: torch.nn.Module, inputs: dict, warmup: int, reps: int, device
     peak = max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, device) if device.type == "cuda" else None
     return {
         "out": out,
-        "ms": max_over_ranks(statistics.median(ms for _, ms in runs), device),
+        "ms": statistics.median(max_over_ranks(ms, device) for _, ms in runs),
         "max_abs_across_ranks": max_over_ranks(max_abs(out, first), device),
         "peak_gib": peak,
     }

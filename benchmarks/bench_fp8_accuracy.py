@@ -19,9 +19,10 @@ import torch
 from pictor_diffusers import attention
 from pictor_diffusers.quant_reference import error_metrics, kernel_twin, rel_l2, study_inputs
 
-CASES = [("normal", 2, 16896), ("peaky", 2, 16896), ("k_offset", 2, 4608)] + [
-    (kind, 24, 4608) for kind in ("normal", "peaky", "k_offset")
+CASES = [("normal", 2, 16896), ("peaky", 2, 16896), ("v_offset", 2, 16896), ("k_offset", 2, 4608)] + [
+    (kind, 24, 4608) for kind in ("normal", "peaky", "k_offset", "v_offset")
 ]
+"""("v_offset": V's mean is a positive sum over all keys in O, which the FP8 wgmma accumulates.)"""
 
 
 def accuracy_row(kind: str, heads: int, seq: int) -> dict:

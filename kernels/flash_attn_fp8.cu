@@ -16,7 +16,9 @@
        reference maximum, moves only when a tile's maximum passes it by more
        than F8_SLACK = 2 (so P <= 448), which spares O's rescale on most tiles.
      * O += P V on FP8 E4M3 (wgmma e4m3 x e4m3 -> f32): each tile's four k32
-       steps accumulate into the f32 O registers.
+       steps accumulate into the f32 O registers, i.e. in the wgmma's own
+       accumulator over all tiles (the short adds below cost a positive sum
+       7-33%: a V with a channel mean puts such a sum in O; not yet measured).
      * l: the row sums of the rounded P, by an m64n8k32 wgmma per k32 step
        against a block of ones, started from 0 every tile (the FP8 wgmma adds
        with ~14 significant bits: summed over all keys in its accumulator, the
@@ -75,6 +77,7 @@
 #define F8_BIAS_F 12582912.f
 #define F8_LOG2_P_SCALE 8.807354922057604f   /* log2(448) */
 #define F8_SLACK 2.f                         /* log2 units the running max may lag the true one */
+#define F8_LOG2_P (F8_LOG2_P_SCALE - F8_SLACK) /* P = 2^(s - m + F8_LOG2_P) <= 448 */
 #define F8_MIN_FACTOR 1.17549435e-38f        /* the smallest normal f32: a factor never flushes to 0 (-inf * 0) */
 static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + F8_ONES_BYTES + 8 * (1 + 4 * F8_STAGES),
               "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | ones | mbarriers");
@@ -239,7 +242,7 @@ __device__ __forceinline__ void f8_softmax(float* s, float* m_run, float* corr, 
         const bool moves = m_tile > m_run[ri] + F8_SLACK;
         corr[ri] = moves ? pk_exp2(m_run[ri] - m_tile) : 1.f;
         m_run[ri] = moves ? m_tile : m_run[ri];
-        const float offset = fmaf(F8_BIAS_F, factor, m_run[ri] - (F8_LOG2_P_SCALE - F8_SLACK));
+        const float offset = fmaf(F8_BIAS_F, factor, m_run[ri] - F8_LOG2_P);
         #pragma unroll
         for (int n = 0; n < F8_BK / 8; n++) {
             row[4 * n] = pk_exp2(fmaf(row[4 * n], factor, -offset));
@@ -264,7 +267,7 @@ __device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, floa
                                         unsigned int j)
 {
     const unsigned int st = j % F8_STAGES, prev = (j - 1) % F8_STAGES;
-    float corr[2], lt[4];
+    float corr[2], lt[4];   /* no initial value: the first row-sum wgmma ignores it (scale-d 0) */
     pk_bar_wait(m.k_full(st), (j / F8_STAGES) & 1);
     pk_bar_wait(m.v_full(prev), ((j - 1) / F8_STAGES) & 1);
     pk_pin<64>(s);
@@ -333,12 +336,12 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     }
     const unsigned int last = n_tiles - 1;
     pk_bar_wait(m.v_full(last % F8_STAGES), (last / F8_STAGES) & 1);
-    pk_pin<64>(o);
-    pk_wgmma_fence();
-    if (last & 1u) {                         /* odd tiles pack into pb: one wgmma below reads pa */
+    if (last & 1u) {                         /* odd tiles pack into pb: the wgmmas below read pa */
         #pragma unroll
         for (int i = 0; i < 16; i++) pa[i] = pb[i];
     }
+    pk_pin<64>(o);
+    pk_wgmma_fence();                        /* after the last writes of pa, as wgmma's register operands need */
     f8_issue_pv(o, lt, pa, m.v(last % F8_STAGES), m.ones());
     pk_wgmma_wait<0>();
     pk_pin<64>(o);
@@ -356,7 +359,7 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
         unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * F8_D + 2 * t;
         if (t == 0 && lse != nullptr) {
             const float shift = scales.shift[plane * seq_q + row];
-            pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - (F8_LOG2_P_SCALE - F8_SLACK) + shift, l);
+            pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r] - F8_LOG2_P + shift, l);
         }
         #pragma unroll
         for (int n = 0; n < 16; n++) {

@@ -13,7 +13,9 @@ What the kernel does, tile by tile, emulated in float32:
   (log2 units); P = 2^(s - m) in [0, 4] -> FP8 E4M3 as P * 448 / 4 (<= 448; E4M3's relative step does not
   depend on the scale, which only decides where tiny P underflow); V -> E4M3, one scale per (b, h, channel).
 * P·V per tile in f32 from the FP8 values, added into the f32 accumulator; out = acc / l * v_scale * 4 / 448,
-  l the row sum of the rounded P (the kernel's ones column below V). Options: V smoothing, a per-row P
+  l the row sum of the rounded P (the kernel's per-tile row-sum wgmma against a block of ones). The kernel's
+  O differs in one way: its FP8 wgmma adds each tile into O with ~14 significant bits (`pv_accum_bits`
+  models that, milder than measured), which matters when V has a channel mean. Options: V smoothing, a per-row P
   scale, a 14-bit wgmma accumulator, FP8 Q/K, bf16 P·V, finer Q/K scale blocks, the exact row sum and no
   slack, for the study `benchmarks/quant_study.py`.
 """
@@ -156,7 +158,7 @@ def int8_fp8_attention(
         rescale_slack: with p_scale "fixed", a row's reference max moves only when a tile's max exceeds it by
             more than this (log2 units), and P is quantised as exp2(s - reference) * 448 / 2^slack (<= 448).
         row_sum: "exact" sums P in f32 before rounding; "rounded" sums the rounded P that P·V uses (what the
-            kernel's ones column below V computes).
+            kernel's row-sum wgmma computes).
         return_lse: also return each row's natural log-sum-exp of its (quantised) scaled logits, with the
             shift K smoothing takes off them (scale * q . mean) added back.
 

@@ -22,6 +22,7 @@ from functools import cache, partial
 import pytest
 import torch
 
+import pictor_diffusers.quant_reference as quant_reference
 from pictor_diffusers.quant_reference import (
     FP8_MAX,
     KERNEL_RESCALE_SLACK,
@@ -239,13 +240,6 @@ def test_the_cpu_twin_refuses_what_the_kernel_refuses(head_dim: int) -> None:
         attention(q, k, v, kernel="fp8")
 
 
-def test_twin_runs_the_kernels_slack_and_row_sums() -> None:
-    """`kernel_twin` is the kernel's scheme: its slack is F8_SLACK in flash_attn_fp8.cu, its l the rounded P's."""
-    match = re.search(r"#define F8_SLACK ([0-9.]+)f", read_source("flash_attn_fp8.cu"))
-    assert match is not None and float(match.group(1)) == KERNEL_RESCALE_SLACK
-    assert KERNEL_SCHEME == {"rescale_slack": KERNEL_RESCALE_SLACK, "row_sum": "rounded"}
-
-
 def test_lagging_reference_max_never_saturates_p() -> None:
     """Logits that grow from tile to tile by less than the slack: the reference max lags the true one by up to
     2 (log2), so P reaches 4 before rounding and must be scaled by 448 / 4 to stay within E4M3's 448. Measured:
@@ -269,3 +263,43 @@ def test_rounded_row_sums_normalise_what_p_v_weighs() -> None:
     rounded = int8_fp8_attention(q, k, v, row_sum="rounded")
     assert (rounded - 0.75).abs().max().item() <= 1e-6
     assert (int8_fp8_attention(q, k, v) - 0.75).abs().max().item() >= 1e-4
+
+
+def test_kernel_twin_runs_the_kernel_scheme() -> None:
+    """`kernel_twin`, with and without key_lens, is `int8_fp8_attention` with F8_SLACK (read from the kernel) and
+    rounded row sums, bit for bit; and each of the two options changes the result (so the check is not vacuous:
+    K grows along the keys, the reference max lags, and l of the rounded P differs from the f32 one)."""
+    slack = float(re.search(r"#define F8_SLACK ([0-9.]+)f", read_source("flash_attn_fp8.cu")).group(1))
+    generator = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 2, 70, 128, generator=generator)
+    k = torch.randn(2, 2, 600, 128, generator=generator) * torch.linspace(1.0, 2.5, 600).view(1, 1, -1, 1)
+    v = torch.randn(2, 2, 600, 128, generator=generator)
+    scale = 128**-0.5
+    kernel = partial(int8_fp8_attention, scale=scale, return_lse=True, rescale_slack=slack, row_sum="rounded")
+    out, lse = kernel_twin(q, k, v, scale, return_lse=True)
+    want_out, want_lse = kernel(q, k, v)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    out, lse = kernel_twin(q, k, v, scale, return_lse=True, key_lens=torch.tensor([600, 300]))
+    want_out, want_lse = kernel(q[1:], k[1:, :, :300], v[1:, :, :300])
+    assert torch.equal(out[1:], want_out) and torch.equal(lse[1:], want_lse)
+    for other in ({"rescale_slack": 0.0}, {"row_sum": "exact"}):
+        assert not torch.equal(kernel(q, k, v, **other)[0], kernel(q, k, v)[0]), other
+
+
+def test_reference_max_lags_by_up_to_the_slack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the kernel rounds to E4M3 (the P each tile hands `to_e4m3`): with slack 2 on logits that grow along the
+    keys, some P pass 112 * 2 (the reference max lagged by more than one binade) and none passes 448."""
+    rounded_p, real = [], quant_reference.to_e4m3
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] == 70:  # P [B, H, Nq, keys]; V's codes are [B, H, Nk, D]
+            rounded_p.append(x.amax().item())
+        return real(x)
+
+    monkeypatch.setattr(quant_reference, "to_e4m3", spy)
+    generator = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 2, 70, 128, generator=generator)
+    k = torch.randn(1, 2, 600, 128, generator=generator) * torch.linspace(1.0, 2.5, 600).view(1, 1, -1, 1)
+    v = torch.randn(1, 2, 600, 128, generator=generator)
+    int8_fp8_attention(q, k, v, **KERNEL_SCHEME)
+    assert len(rounded_p) == 5 and 2 * FP8_MAX / 2**KERNEL_RESCALE_SLACK < max(rounded_p) <= FP8_MAX, rounded_p
