@@ -124,7 +124,9 @@ __device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, uns
 {
     const unsigned long long b = pk_wgmma_desc(v_tile, WG_SLAB_BYTES, 1024);
     #pragma unroll
-    for (int kk = 0; kk < WG_BK / 16; kk++) pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, pk_desc_advance(b, kk * 16 * 128), 1);
+    for (int kk = 0; kk < WG_BK / 16; kk++) {
+        pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, pk_desc_advance(b, kk * 16 * 128), 1);
+    }
     pk_wgmma_commit();
 }
 
