@@ -3,7 +3,7 @@
    Algorithm: flash-attention forward, non-causal (key padding in the
    F8_KEY_LENS=1 build), with flash_attn_wgmma.cu's warp-specialised schedule:
    a TMA producer warpgroup, two consumer warpgroups of 64 query rows that
-   issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and run tile j's
+   issue S_j = Q K_j^T and P_{j-1} V_{j-1} back to back and run tile j's
    softmax while P.V is in flight. The operands come from quantize_qkv8.cu:
      * S = Q K^T on int8 codes (wgmma s8 x s8 -> s32, exact; K smoothed), then
        times q_scale[64-row block] * k_scale[128-key tile] (the logit scale
@@ -15,15 +15,14 @@
        folded into the exponent) rounded to FP8 E4M3 (satfinite). m, the row's
        reference maximum, moves only when a tile's maximum passes it by more
        than F8_SLACK = 2 (so P <= 448), which spares O's rescale on most tiles.
-     * O += P V on FP8 E4M3 (wgmma e4m3 x e4m3 -> f32): each tile's four k32
-       steps accumulate into the f32 O registers, i.e. in the wgmma's own
-       accumulator over all tiles (the short adds below cost a positive sum
-       7-33%: a V with a channel mean puts such a sum in O; not yet measured).
+     * O += P V on FP8 E4M3 (wgmma e4m3 x e4m3 -> f32) in two levels: each
+       tile's four k32 steps from 0 into a tile accumulator, which is added to
+       O in f32 registers. The FP8 wgmma adds into its accumulator with ~14
+       significant bits: O summed over all keys there came out 8% small at
+       4608 keys and 26% at 16896 on V with a 5-sigma channel mean.
      * l: the row sums of the rounded P, by an m64n8k32 wgmma per k32 step
-       against a block of ones, started from 0 every tile (the FP8 wgmma adds
-       with ~14 significant bits: summed over all keys in its accumulator, the
-       positive l lost 7% at 4608 keys and 33% at 16896), added to f32 in
-       registers. out = O * v_scale[d] / l.
+       against a block of ones, also from 0 every tile and added in f32.
+       out = O * v_scale[d] / l.
    The P registers need no shuffle: S's accumulator holds, per thread and
    32-key chunk, keys {2t, 2t+1, 8+2t, 8+2t+1} (+16) of rows g and g+8, and
    the FP8 A fragment wants logical keys 4t..4t+3 (+16) of the same rows; the
@@ -98,14 +97,14 @@ __device__ __forceinline__ void f8_mma_qk(int* s, unsigned long long a, unsigned
         : F8_R64(s) : "l"(a), "l"(b), "r"(accumulate));
 }
 
-/* o += P V: P (64 x 32 keys, E4M3) from registers, V^T from shared memory (K-major). */
-__device__ __forceinline__ void f8_mma_pv(float* o, const unsigned int* p, unsigned long long b)
+/* o (+)= P V: P (64 x 32 keys, E4M3) from registers, V^T from shared memory (K-major). */
+__device__ __forceinline__ void f8_mma_pv(float* o, const unsigned int* p, unsigned long long b, int accumulate)
 {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " PK_ACC64
         ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : PK_F64(o) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(b));
+        : PK_F64(o) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(b), "r"(accumulate));
 }
 
 /* l (+)= P 1: the row sums of P (64 x 32 keys, E4M3) by the tensor cores, against 8 columns of ones in
@@ -144,15 +143,15 @@ __device__ __forceinline__ void f8_issue_qk(int* s, unsigned int q_rows, unsigne
     pk_wgmma_commit();
 }
 
-/* O += P V (4 k-steps of 32 (permuted) keys of the V^T tile) and lt = this tile's row sums of P, from 0:
-   a fresh sum per tile keeps the FP8 wgmma's short accumulation (~14 bits) to 128 terms. */
-__device__ __forceinline__ void f8_issue_pv(float* o, float* lt, const unsigned int* p, unsigned int vt_tile,
+/* ot = P V (4 k-steps of 32 (permuted) keys of the V^T tile) and lt = P's row sums, both from 0: a fresh
+   sum per tile keeps the FP8 wgmma's short accumulation (~14 bits) to 128 terms; f8_promote adds them in f32. */
+__device__ __forceinline__ void f8_issue_pv(float* ot, float* lt, const unsigned int* p, unsigned int vt_tile,
                                             unsigned int ones)
 {
     const unsigned long long v = pk_wgmma_desc(vt_tile, 16, 1024), one = pk_wgmma_desc(ones, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < F8_BK / 32; kk++) {
-        f8_mma_pv(o, p + 4 * kk, pk_desc_advance(v, kk * 32));
+        f8_mma_pv(ot, p + 4 * kk, pk_desc_advance(v, kk * 32), kk > 0);
         f8_mma_rowsum(lt, p + 4 * kk, pk_desc_advance(one, kk * 32), kk > 0);
     }
     pk_wgmma_commit();
@@ -259,34 +258,48 @@ struct f8_rows {
     unsigned int seq_k, t;
 };
 
-/* Key tile j >= 1 of one consumer warpgroup: S_j = Q K_j^T and O += P_{j-1} V_{j-1} (from p_in) issued
-   back to back, tile j's softmax while P.V is in flight, P_j packed into p_out before P.V completes (two P
-   buffers), then O rescaled, skipped when no row's running max moved (a warp-uniform vote). */
-__device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, float* o, float* s,
-                                        const unsigned int* p_in, unsigned int* p_out, float* m_run, float* l_run,
-                                        unsigned int j)
+/* O = (O + ot) * corr and l = (l + lt) * corr in f32: a tile's P.V and row sums promoted out of the FP8
+   wgmma's accumulator; the multiplies only when a row's running max moved (a warp-uniform vote), which the
+   lazy rescale makes rare. */
+__device__ __forceinline__ void f8_promote(float* o, const float* ot, const float* lt, float* l_run,
+                                           const float* corr)
+{
+    l_run[0] = (l_run[0] + lt[0]) * corr[0];
+    l_run[1] = (l_run[1] + lt[2]) * corr[1];
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+        #pragma unroll
+        for (int i = 0; i < 64; i++) o[i] = (o[i] + ot[i]) * corr[(i >> 1) & 1];
+    } else {
+        #pragma unroll
+        for (int i = 0; i < 64; i++) o[i] += ot[i];
+    }
+}
+
+/* Key tile j >= 1 of one consumer warpgroup: S_j = Q K_j^T and ot = P_{j-1} V_{j-1} (P from p) issued
+   back to back, tile j's softmax while P.V is in flight; then, P.V done, P_j packed into p and ot and lt
+   promoted into O and l. One P buffer: with two (P_j packed while P.V still reads P_{j-1}), ot's 64 registers
+   leave too few and ptxas spills; measured no faster. */
+__device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, float* o, float* ot, float* s,
+                                        unsigned int* p, float* m_run, float* l_run, unsigned int j)
 {
     const unsigned int st = j % F8_STAGES, prev = (j - 1) % F8_STAGES;
-    float corr[2], lt[4];   /* no initial value: the first row-sum wgmma ignores it (scale-d 0) */
+    float corr[2], lt[4];   /* no initial values: the first wgmmas of a tile ignore them (scale-d 0) */
     pk_bar_wait(m.k_full(st), (j / F8_STAGES) & 1);
     pk_bar_wait(m.v_full(prev), ((j - 1) / F8_STAGES) & 1);
     pk_pin<64>(s);
-    pk_pin<64>(o);
     pk_wgmma_fence();
     f8_issue_qk((int*)s, r.q_rows, m.k(st));
-    f8_issue_pv(o, lt, p_in, m.v(prev), m.ones());
+    f8_issue_pv(ot, lt, p, m.v(prev), m.ones());
     pk_wgmma_wait<1>();
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(st));
     f8_softmax(s, m_run, corr, fmaxf(r.qs * r.ks[j], F8_MIN_FACTOR), j * F8_BK, r.seq_k, r.t);
-    f8_pack_p(p_out, s);
     pk_wgmma_wait<0>();
-    pk_pin<64>(o);
+    pk_pin<64>(ot);
     pk_pin<4>(lt);
     pk_warp_arrive(m.v_free(prev));
-    l_run[0] = (l_run[0] + lt[0]) * corr[0];
-    l_run[1] = (l_run[1] + lt[2]) * corr[1];
-    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) pk_rescale<F8_D / 8>(o, corr);
+    f8_pack_p(p, s);
+    f8_promote(o, ot, lt, l_run, corr);
 }
 
 /* The prepass's per-block scales of one launch (see the header's layout). */
@@ -312,8 +325,8 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     const float qs = q_block < q_blocks ? scales.q[plane * q_blocks + q_block] : 1.f;   /* rows past seq_q: unused */
     const float* ks = scales.k + plane * k_tiles;
 
-    float o[64], s[64], corr[2], lt[4];
-    unsigned int pa[16], pb[16];
+    float o[64], ot[64], s[64], corr[2], lt[4];
+    unsigned int p[16];
     float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
     float l_run[2] = {0.f, 0.f};   /* this row's sum of the rounded P over the tiles before the one in flight */
     #pragma unroll
@@ -327,25 +340,19 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     pk_pin<64>(s);
     pk_warp_arrive(m.k_free(0));
     f8_softmax(s, m_run, corr, fmaxf(qs * ks[0], F8_MIN_FACTOR), 0, seq_k, t);
-    f8_pack_p(pa, s);
+    f8_pack_p(p, s);
 
     const f8_rows rows = {q_rows, qs, ks, seq_k, t};
-    for (unsigned int j = 1; j < n_tiles; j += 2) {
-        f8_tile(m, rows, o, s, pa, pb, m_run, l_run, j);
-        if (j + 1 < n_tiles) f8_tile(m, rows, o, s, pb, pa, m_run, l_run, j + 1);
-    }
+    for (unsigned int j = 1; j < n_tiles; j++) f8_tile(m, rows, o, ot, s, p, m_run, l_run, j);
     const unsigned int last = n_tiles - 1;
     pk_bar_wait(m.v_full(last % F8_STAGES), (last / F8_STAGES) & 1);
-    if (last & 1u) {                         /* odd tiles pack into pb: the wgmmas below read pa */
-        #pragma unroll
-        for (int i = 0; i < 16; i++) pa[i] = pb[i];
-    }
-    pk_pin<64>(o);
-    pk_wgmma_fence();                        /* after the last writes of pa, as wgmma's register operands need */
-    f8_issue_pv(o, lt, pa, m.v(last % F8_STAGES), m.ones());
+    pk_wgmma_fence();                        /* after the last writes of p, as wgmma's register operands need */
+    f8_issue_pv(ot, lt, p, m.v(last % F8_STAGES), m.ones());
     pk_wgmma_wait<0>();
-    pk_pin<64>(o);
+    pk_pin<64>(ot);
     pk_pin<4>(lt);
+    #pragma unroll
+    for (int i = 0; i < 64; i++) o[i] += ot[i];
 
     const float* vs = scales.v + plane * F8_D + 2 * t;
     const unsigned long long inner = (unsigned long long)num_heads * F8_D;
