@@ -6,18 +6,21 @@ What the kernel does, tile by tile, emulated in float32:
 * K smoothing: K minus its mean over tokens per (b, h, channel); each row's logits shift by one constant,
   so softmax is unchanged, but the int8 range goes to what varies between keys.
 * Q -> int8, one scale per (b, h, 64 query rows); K -> int8, one per (b, h, 128 keys); scale absmax / 127,
-  round to nearest even, clamp to [-127, 127]. Q's scale also carries `scale * log2(e)` (exp2 domain).
+  codes x * (127 / absmax) in f32 (the prepass's reciprocal, then product: x / scale flips ties) rounded to
+  nearest even, clamp to [-127, 127], absmax floored at QUANT_FLOOR. Q's scale also carries
+  `scale * log2(e)` (exp2 domain).
 * Logits: the int32 product of the codes (exact in f32 too: |sum| <= 128 * 127^2 < 2^24) times
   q_scale * k_scale; online softmax over 128-key tiles in f32.
 * A row's reference max m moves only when a tile's max exceeds it by more than KERNEL_RESCALE_SLACK
   (log2 units); P = 2^(s - m) in [0, 4] -> FP8 E4M3 as P * 448 / 4 (<= 448; E4M3's relative step does not
   depend on the scale, which only decides where tiny P underflow); V -> E4M3, one scale per (b, h, channel).
 * P·V per tile in f32 from the FP8 values, added into the f32 accumulator; out = acc / l * v_scale * 4 / 448,
-  l the row sum of the rounded P (the kernel's per-tile row-sum wgmma against a block of ones). The kernel's
-  O differs in one way: its FP8 wgmma adds each tile into O with ~14 significant bits (`pv_accum_bits`
-  models that, milder than measured), which matters when V has a channel mean. Options: V smoothing, a per-row P
-  scale, a 14-bit wgmma accumulator, FP8 Q/K, bf16 P·V, finer Q/K scale blocks, the exact row sum and no
-  slack, for the study `benchmarks/quant_study.py`.
+  l the row sum of the rounded P (the kernel's per-tile row-sum wgmma against a block of ones). The kernel
+  sums each tile's P·V from 0 in its FP8 wgmma (~14 significant bits over 4 k-steps, not modelled here) and
+  adds it to O in f32, as here. Options: V smoothing, a per-row P scale, a 14-bit wgmma accumulator
+  (`pv_accum_bits`; with `pv_promote=False` over all tiles, as the kernel did before it promoted per tile),
+  FP8 Q/K, bf16 P·V, finer Q/K scale blocks, the exact row sum and no slack, for the study
+  `benchmarks/quant_study.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ K_TILE = 128
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KERNEL_RESCALE_SLACK = 2.0  # F8_SLACK in flash_attn_fp8.cu
+QUANT_FLOOR = 2.0**-43  # QZ_FLOOR in quantize_qkv8.cu: an all-zero block gets a tiny normal scale (codes 0)
 InputSet = Literal["normal", "k_offset", "peaky", "v_offset"]
 INPUT_SETS = ("normal", "k_offset", "peaky", "v_offset")
 
@@ -76,16 +80,16 @@ def quantize_int8_blocks(x: torch.Tensor, block: int, extra_scale: float = 1.0) 
         codes * scale ~= x * extra_scale (error <= scale / 2 per element).
     """
     x = x.float()
-    scales = (_block_absmax(x, block) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = torch.round(x / _per_row(scales, block, x.shape[2])).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return codes, scales * extra_scale
+    absmax = _block_absmax(x, block).clamp_min(QUANT_FLOOR)
+    codes = torch.round(x * _per_row(INT8_MAX / absmax, block, x.shape[2])).clamp(-INT8_MAX, INT8_MAX)
+    return codes.to(torch.int8), absmax / INT8_MAX * extra_scale
 
 
 def quantize_fp8_blocks(x: torch.Tensor, block: int, extra_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """As `quantize_int8_blocks` but to FP8 E4M3 (scale absmax / 448): float8_e4m3fn codes, float32 scales."""
     x = x.float()
-    scales = (_block_absmax(x, block) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return to_e4m3(x / _per_row(scales, block, x.shape[2])), scales * extra_scale
+    absmax = _block_absmax(x, block).clamp_min(QUANT_FLOOR)
+    return to_e4m3(x * _per_row(FP8_MAX / absmax, block, x.shape[2])), absmax / FP8_MAX * extra_scale
 
 
 def quantize_fp8_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +103,8 @@ def quantize_fp8_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         error <= 2^-4 for |x| >= 2^-6 * scale, absolute <= 2^-10 * scale below).
     """
     x = x.float()
-    scales = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return to_e4m3(x / scales), scales
+    absmax = x.abs().amax(dim=2, keepdim=True).clamp_min(QUANT_FLOOR)
+    return to_e4m3(x * (FP8_MAX / absmax)), absmax / FP8_MAX
 
 
 def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
