@@ -3,7 +3,8 @@
 Per row (input set, heads, tokens; B1 D128, bf16 inputs from `quant_reference.study_inputs`): the kernel's
 relative L2 from `kernel_twin` (the same quantisation: a kernel bug shows far above the twin's rounding noise),
 the LSE's largest gap from the twin's and from float64, and cosine / relative L1 of kernel and twin against
-float64 attention. This is the check that caught the FP8 wgmma's short accumulator summing l over all keys.
+float64 attention. This is the check that caught the FP8 wgmma's short accumulator summing l, and then O
+(on v_offset), over all keys.
 
     python benchmarks/bench_fp8_accuracy.py --json benchmarks/results/h200_fp8_accuracy.json
 """
@@ -22,7 +23,8 @@ from pictor_diffusers.quant_reference import error_metrics, kernel_twin, rel_l2,
 CASES = [("normal", 2, 16896), ("peaky", 2, 16896), ("v_offset", 2, 16896), ("k_offset", 2, 4608)] + [
     (kind, 24, 4608) for kind in ("normal", "peaky", "k_offset", "v_offset")
 ]
-"""("v_offset": V's mean is a positive sum over all keys in O, which the FP8 wgmma accumulates.)"""
+"""("v_offset": V's mean makes O a positive sum over all keys; the FP8 wgmma's short adds lose its low bits
+unless each tile's sum is promoted to f32.)"""
 
 
 def accuracy_row(kind: str, heads: int, seq: int) -> dict:

@@ -3,8 +3,9 @@
    Algorithm: flash-attention forward, non-causal (key padding in the
    F8_KEY_LENS=1 build), with flash_attn_wgmma.cu's warp-specialised schedule:
    a TMA producer warpgroup, two consumer warpgroups of 64 query rows that
-   issue S_j = Q K_j^T and P_{j-1} V_{j-1} back to back and run tile j's
-   softmax while P.V is in flight. The operands come from quantize_qkv8.cu:
+   issue S_j = Q K_j^T and P_{j-1} V_{j-1} back to back, then tile j's
+   softmax (written to run while P.V is in flight, but ptxas places the P.V
+   wait before its first shuffle). The operands come from quantize_qkv8.cu:
      * S = Q K^T on int8 codes (wgmma s8 x s8 -> s32, exact; K smoothed), then
        times q_scale[64-row block] * k_scale[128-key tile] (the logit scale
        and log2 e are folded into q_scale): one factor per warpgroup and tile.
@@ -53,7 +54,8 @@
        key_lens: [batch] i32 or null (F8_KEY_LENS=1 build only), as in
                 flash_attn_wgmma.cu
    Precision: int8 Q.K with per-block scales (exact products), FP8 E4M3 P and
-   V (3 mantissa bits), f32 softmax and accumulation, the output rounded once
+   V (3 mantissa bits), f32 softmax; P.V accumulated with the FP8 wgmma's ~14
+   bits within a 128-key tile and in f32 across tiles; the output rounded once
    to nearest even. Needs sm_90a. */
 
 #include "common.cuh"
@@ -276,17 +278,18 @@ __device__ __forceinline__ void f8_promote(float* o, const float* ot, const floa
 }
 
 /* Key tile j >= 1 of one consumer warpgroup: S_j = Q K_j^T and ot = P_{j-1} V_{j-1} (P from p) issued
-   back to back, tile j's softmax while P.V is in flight; then, P.V done, P_j packed into p and ot and lt
-   promoted into O and l. One P buffer: with two (P_j packed while P.V still reads P_{j-1}), ot's 64 registers
-   leave too few and ptxas spills; measured no faster. */
+   back to back, tile j's softmax (the P.V wait lands before it in SASS); then, P.V done, P_j packed into p
+   and ot and lt promoted into O and l. One P buffer: with two (P_j packed while P.V still reads P_{j-1}),
+   ot's 64 registers leave too few and ptxas spills; measured no faster. */
 __device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, float* o, float* ot, float* s,
                                         unsigned int* p, float* m_run, float* l_run, unsigned int j)
 {
     const unsigned int st = j % F8_STAGES, prev = (j - 1) % F8_STAGES;
-    float corr[2], lt[4];   /* no initial values: the first wgmmas of a tile ignore them (scale-d 0) */
+    float corr[2], lt[4];   /* corr: f8_softmax writes it; lt: the first row-sum wgmma ignores it (scale-d 0) */
     pk_bar_wait(m.k_full(st), (j / F8_STAGES) & 1);
     pk_bar_wait(m.v_full(prev), ((j - 1) / F8_STAGES) & 1);
     pk_pin<64>(s);
+    pk_pin<64>(o);                           /* the last tile's promotion (it reads ot) stays above the fence */
     pk_wgmma_fence();
     f8_issue_qk((int*)s, r.q_rows, m.k(st));
     f8_issue_pv(ot, lt, p, m.v(prev), m.ones());
@@ -325,7 +328,7 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     const float qs = q_block < q_blocks ? scales.q[plane * q_blocks + q_block] : 1.f;   /* rows past seq_q: unused */
     const float* ks = scales.k + plane * k_tiles;
 
-    float o[64], ot[64], s[64], corr[2], lt[4];
+    float o[64], ot[64], s[64], corr[2], lt[4];   /* ot, lt: no initial values (each tile's first wgmma: scale-d 0) */
     unsigned int p[16];
     float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
     float l_run[2] = {0.f, 0.f};   /* this row's sum of the rounded P over the tiles before the one in flight */
@@ -346,6 +349,7 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     for (unsigned int j = 1; j < n_tiles; j++) f8_tile(m, rows, o, ot, s, p, m_run, l_run, j);
     const unsigned int last = n_tiles - 1;
     pk_bar_wait(m.v_full(last % F8_STAGES), (last / F8_STAGES) & 1);
+    pk_pin<64>(o);
     pk_wgmma_fence();                        /* after the last writes of p, as wgmma's register operands need */
     f8_issue_pv(ot, lt, p, m.v(last % F8_STAGES), m.ones());
     pk_wgmma_wait<0>();

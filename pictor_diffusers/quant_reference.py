@@ -18,7 +18,8 @@ What the kernel does, tile by tile, emulated in float32:
   l the row sum of the rounded P (the kernel's per-tile row-sum wgmma against a block of ones). The kernel
   sums each tile's P·V from 0 in its FP8 wgmma (~14 significant bits over 4 k-steps, not modelled here) and
   adds it to O in f32, as here. Options: V smoothing, a per-row P scale, a 14-bit wgmma accumulator
-  (`pv_accum_bits`; with `pv_promote=False` over all tiles, as the kernel did before it promoted per tile),
+  (`pv_accum_bits`, truncated per k32 step: milder than measured; with `pv_promote=False` over all tiles, as
+  the kernel did before it promoted per tile),
   FP8 Q/K, bf16 P·V, finer Q/K scale blocks, the exact row sum and no slack, for the study
   `benchmarks/quant_study.py`.
 """
@@ -142,7 +143,7 @@ def int8_fp8_attention(
     row_sum: Literal["exact", "rounded"] = "exact",
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention with 8-bit Q·K^T and FP8 P·V, emulating the planned kernel (see the module doc).
+    """Non-causal attention with 8-bit Q·K^T and FP8 P·V, emulating the kernel's arithmetic (see the module doc).
 
     Args:
         query: head-major `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; float32 or bfloat16 (upcast).
@@ -153,7 +154,8 @@ def int8_fp8_attention(
         p_scale: "fixed" quantises P = exp2(s - running max) as P * 448; "row" takes P relative to the row's
             max in this tile (exp2(s - tile max), so each tile's largest P is exactly 448) and folds
             exp2(tile max - running max) into that tile's P·V and row sum: one exp2 per row and tile.
-        pv_accum_bits: None for f32 P·V per tile; else the FP8 wgmma accumulator's significant bits (e.g. 14).
+        pv_accum_bits: None for f32 P·V per tile; else the FP8 wgmma accumulator's significant bits (e.g. 14),
+            truncated once per k32 step (milder than the H200, which behaves as if truncated after every key).
         pv_promote: True: each tile's P·V sums in registers of its own, then is added to the f32 accumulator
             (two-level; "row" needs it); False: the wgmma accumulates into the accumulator itself.
         pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
