@@ -17,11 +17,10 @@ What the kernel does, tile by tile, emulated in float32:
 * P·V per tile in f32 from the FP8 values, added into the f32 accumulator; out = acc / l * v_scale * 4 / 448,
   l the row sum of the rounded P (the kernel's per-tile row-sum wgmma against a block of ones). The kernel
   sums each tile's P·V from 0 in its FP8 wgmma (~14 significant bits over 4 k-steps, not modelled here) and
-  adds it to O in f32, as here. Options: V smoothing, a per-row P scale, a 14-bit wgmma accumulator
-  (`pv_accum_bits`, truncated per k32 step: milder than measured; with `pv_promote=False` over all tiles, as
-  the kernel did before it promoted per tile),
-  FP8 Q/K, bf16 P·V, finer Q/K scale blocks, the exact row sum and no slack, for the study
-  `benchmarks/quant_study.py`.
+  adds it to O in f32, as here. Options, for the study `benchmarks/quant_study.py`: V smoothing, a per-row P
+  scale, a 14-bit wgmma accumulator (`pv_accum_bits`, truncated per k32 step: milder than measured; with
+  `pv_promote=False` over all tiles, as the kernel did before it promoted per tile), FP8 Q/K, bf16 P·V, finer
+  Q/K scale blocks, the exact row sum and no slack.
 """
 
 from __future__ import annotations
