@@ -1,12 +1,5 @@
-/* quantize_qkv8.cu: q, k, v -> the 8-bit kernel's operands (pictor-diffusers).
+/* quantize_qkv8.cu: 16-bit q, k, v -> the 8-bit kernel's operands (pictor-diffusers).
 
-   Two sources (QZ_SOURCE):
-     0: 16-bit head-major q, k, v (the output of the prologue, or a user's);
-     1: FLUX projections, the prologue fused in: each row is read from the
-        [text, image] projections (QZ_IN_KIND f32 / bf16 / f16) and, for q
-        and k, RMSNormed and RoPE'd with qkv_prologue.cu's exact f32
-        operations and reduction order, then rounded to bf16, so that source
-        1 writes the same codes as qkv_prologue.cu (bf16 out) then source 0.
    Algorithm (SageAttention2's scheme with the fixed choices of
    flash_attn_fp8.cu):
      * q: int8, one absmax scale per 64 rows of a (batch, head) plane; the
@@ -29,7 +22,7 @@
      phase 1: block (plane, tile) reduces the partials (mu = sum / keys) and
               quantises query rows [128 tile, + 128) and key tile `tile`.
 
-   Launch geometry (QZ_D, QZ_IN_KIND, QZ_THREADS, QZ_CHUNKS, QZ_SOURCE from the host):
+   Launch geometry (QZ_D, QZ_IN_KIND, QZ_THREADS, QZ_CHUNKS from the host):
        phase 0 grid = (batch * num_heads, QZ_CHUNKS, 1)
        phase 1 grid = (batch * num_heads, max(ceil(seq_q / 128), ceil(seq_k / 128)), 1)
        block = QZ_THREADS = 256: thread i holds channels 8 (i % 16) .. + 7 of
@@ -37,9 +30,7 @@
        static shared memory: 33,824 bytes (the staged v tile, mu, 448 / vmax, a reduction's scratch)
    Layout (a window of rows: q, k, v offset to its first row; pitches are the
    full tensors' row counts, k_pad = 128 ceil(seq_k / 128)):
-       source 0: q, k, v : 16-bit [batch * num_heads][q_pitch or kv_pitch][128]
-       source 1: as qkv_prologue.cu's inputs (no KV gap: seq_q = seq_k = tokens,
-                 rows 16-byte aligned); weights [128] f32, cos, sin [tokens][128] f32
+       q, k, v : 16-bit [batch * num_heads][q_pitch or kv_pitch][128]
        q8, k8  : int8 [batch * num_heads][seq_q or seq_k][128]
        vt8     : E4M3 [batch * num_heads][128][k_pad]
        q_scale : f32 [batch * num_heads][ceil(seq_q / 64)]
@@ -53,30 +44,23 @@
 
 #include "common.cuh"
 
-#if !defined(QZ_D) || !defined(QZ_IN_KIND) || !defined(QZ_THREADS) || !defined(QZ_CHUNKS) || !defined(QZ_SOURCE)
-#error "quantize_qkv8.cu needs -D QZ_D, QZ_IN_KIND, QZ_THREADS, QZ_CHUNKS and QZ_SOURCE from the host"
+#if !defined(QZ_D) || !defined(QZ_IN_KIND) || !defined(QZ_THREADS) || !defined(QZ_CHUNKS)
+#error "quantize_qkv8.cu needs -D QZ_D, QZ_IN_KIND, QZ_THREADS and QZ_CHUNKS from the host"
 #endif
 #if QZ_D != 128 || QZ_THREADS != 256
 #error "the 8-bit prepass is written for head_dim 128 and 256 threads"
 #endif
-#if QZ_SOURCE == 0 && QZ_IN_KIND != 1 && QZ_IN_KIND != 2
-#error "source 0: QZ_IN_KIND must be 1 (bfloat16) or 2 (float16)"
-#endif
-#if QZ_SOURCE == 1 && (QZ_IN_KIND < 0 || QZ_IN_KIND > 2)
-#error "source 1: QZ_IN_KIND must be 0 (float32), 1 (bfloat16) or 2 (float16)"
-#endif
-#if QZ_SOURCE != 0 && QZ_SOURCE != 1
-#error "QZ_SOURCE must be 0 (head-major 16-bit) or 1 (projections)"
+#if QZ_IN_KIND != 1 && QZ_IN_KIND != 2
+#error "QZ_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
 #define QZ_TILE 128
 #define QZ_FLOOR 1.1368683772161603e-13f   /* 2^-43 */
-#define QZ_VAL_KIND (QZ_SOURCE == 0 ? QZ_IN_KIND : 1)   /* the 16-bit dtype the codes are taken from */
 
 /* One 16-bit value as f32. */
 __device__ __forceinline__ void qz_load1(unsigned short bits, float& x)
 {
-#if QZ_VAL_KIND == 1
+#if QZ_IN_KIND == 1
     x = __uint_as_float((unsigned int)bits << 16);
 #else
     asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
@@ -89,7 +73,7 @@ __device__ __forceinline__ void qz_unpack8(uint4 raw, float* x)
     const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (int i = 0; i < 4; i++) {
-#if QZ_VAL_KIND == 1
+#if QZ_IN_KIND == 1
         x[2 * i] = __uint_as_float(words[i] << 16);
         x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
 #else
@@ -99,107 +83,11 @@ __device__ __forceinline__ void qz_unpack8(uint4 raw, float* x)
     }
 }
 
-#if QZ_SOURCE == 0
-/* Head-major 16-bit q, k, v and their pitches (rows per plane). */
-struct qz_source {
-    const unsigned short* tensor[3];
-    unsigned int pitch[3];
-};
-
-/* Channels 8 cg .. + 7 of row `row` of plane `plane` of q, k or v (`which` 0, 1, 2), zero unless `valid`. */
-__device__ __forceinline__ uint4 qz_fetch(const qz_source& src, int which, unsigned int plane, unsigned int row,
-                                          bool valid, unsigned int cg)
+/* Eight 16-bit values (one 16-byte load) as f32. */
+__device__ __forceinline__ void qz_load8(const unsigned short* src, float* x)
 {
-    const unsigned long long at = ((unsigned long long)plane * src.pitch[which] + row) * QZ_D + 8 * cg;
-    return valid ? *(const uint4*)(src.tensor[which] + at) : make_uint4(0u, 0u, 0u, 0u);
+    qz_unpack8(*(const uint4*)src, x);
 }
-#else
-typedef pk_storage<QZ_IN_KIND>::type qz_in_t;
-
-/* The prologue's inputs: projections (q, k, v text; q, k, v image), RMSNorm weights (q, k text; q, k image),
-   RoPE tables (null: none), strides in elements (text row, text batch, image row, image batch). */
-struct qz_source {
-    const qz_in_t* proj[6];
-    const float* weight[4];
-    const float* rope_cos;
-    const float* rope_sin;
-    unsigned long long stride[4];
-    unsigned int text_len, heads;
-    float eps[2];
-};
-
-/* Eight projection values as f32 (zero unless `valid`). */
-__device__ __forceinline__ void qz_load_in8(const qz_in_t* p, bool valid, float* x)
-{
-#if QZ_IN_KIND == 0
-    const float4 a = valid ? *(const float4*)p : make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4 b = valid ? *(const float4*)(p + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-#else
-    const uint4 raw = valid ? *(const uint4*)p : make_uint4(0u, 0u, 0u, 0u);
-    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const unsigned int bits = (words[i / 2] >> (16 * (i % 2))) & 0xffffu;
-#if QZ_IN_KIND == 1
-        x[i] = __uint_as_float(bits << 16);
-#else
-        asm("cvt.f32.f16 %0, %1;" : "=f"(x[i]) : "h"((unsigned short)bits));
-#endif
-    }
-#endif
-}
-
-/* The prologue's RMSNorm and RoPE of channels 8 cg .. + 7 (x in place). The sum of squares follows
-   qkv_prologue.cu's order exactly: its lanes 2 cg and 2 cg + 1 hold our halves a and b, and its butterfly
-   (xor 16, 8, 4, 2, 1) is ours on cg (xor 8, 4, 2, 1) then a + b. Every lane must call it. */
-__device__ __forceinline__ void qz_norm_rope(float* x, const float* w, float eps, const float* rope_cos,
-                                             const float* rope_sin, bool rope, unsigned int token, unsigned int cg)
-{
-    const unsigned long long at = (unsigned long long)token * QZ_D + 8 * cg;
-    float a = x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
-    float b = x[4] * x[4] + x[5] * x[5] + x[6] * x[6] + x[7] * x[7];
-    #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, off);
-        b += __shfl_xor_sync(0xffffffffu, b, off);
-    }
-    const float r = rsqrtf((a + b) / (float)QZ_D + eps);
-    #pragma unroll
-    for (int i = 0; i < 8; i += 4) {   /* tables and weights are 16-byte aligned (as the prologue reads them) */
-        const float4 c = rope ? *(const float4*)(rope_cos + at + i) : make_float4(1.f, 1.f, 1.f, 1.f);
-        const float4 s = rope ? *(const float4*)(rope_sin + at + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 wv = *(const float4*)(w + 8 * cg + i);
-        const float4 y = make_float4(x[i] * r * wv.x, x[i + 1] * r * wv.y, x[i + 2] * r * wv.z, x[i + 3] * r * wv.w);
-        x[i] = y.x * c.x - y.y * s.x;
-        x[i + 1] = y.y * c.y + y.x * s.y;
-        x[i + 2] = y.z * c.z - y.w * s.z;
-        x[i + 3] = y.w * c.w + y.z * s.w;
-    }
-}
-
-/* Token `row` of q, k or v (`which` 0, 1, 2) for plane `plane`, channels 8 cg .. + 7, as the prologue writes
-   them (bf16 bits), zero unless `valid`. Every lane must call it (the norm's shuffles). */
-__device__ __forceinline__ uint4 qz_fetch(const qz_source& src, int which, unsigned int plane, unsigned int row,
-                                          bool valid, unsigned int cg)
-{
-    const unsigned int b = plane / src.heads, h = plane % src.heads;
-    const bool text = row < src.text_len;
-    const unsigned long long at = text ? b * src.stride[1] + row * src.stride[0]
-                                       : b * src.stride[3] + (row - src.text_len) * src.stride[2];
-    const qz_in_t* proj = text ? src.proj[which] : src.proj[3 + which];   /* constant indices: no local array */
-    float x[8];
-    qz_load_in8(proj + at + (unsigned long long)h * QZ_D + 8 * cg, valid, x);
-    if (which < 2) {
-        const float* weight = text ? src.weight[which] : src.weight[2 + which];
-        const bool rope = valid && src.rope_cos != nullptr;
-        qz_norm_rope(x, weight, src.eps[which], src.rope_cos, src.rope_sin, rope, row, cg);
-    }
-    if (!valid) return make_uint4(0u, 0u, 0u, 0u);
-    return make_uint4(pk_pack2<1>(x[0], x[1]), pk_pack2<1>(x[2], x[3]), pk_pack2<1>(x[4], x[5]),
-                      pk_pack2<1>(x[6], x[7]));
-}
-#endif
 
 /* Eight f32 to int8 codes x * inv (nearest, ties to even, saturated at +-127), packed little-endian. */
 __device__ __forceinline__ uint2 qz_int8x8(const float* x, float inv)
@@ -213,16 +101,17 @@ __device__ __forceinline__ uint2 qz_int8x8(const float* x, float inv)
     return make_uint2(words[0], words[1]);
 }
 
-/* A thread's eight rows row0 + step u of q or k (`which`) in the block's plane (16-byte words of channels
-   8 cg.., zero at rows >= count), kept packed, and their absmax after subtracting `shift` (null: none). */
-__device__ __forceinline__ float qz_rows(const qz_source& src, int which, unsigned int row0, unsigned int step,
+/* A thread's eight rows row0 + step u of a block (16-byte words of channels 8 cg.., zero at rows >= count),
+   kept packed, and their absmax after subtracting `shift` (null: none) from each channel. */
+__device__ __forceinline__ float qz_rows(const unsigned short* plane_rows, unsigned int row0, unsigned int step,
                                          unsigned int count, unsigned int cg, const float* shift, uint4* raw)
 {
     float amax = 0.f;
     #pragma unroll
     for (int u = 0; u < 8; u++) {
         const unsigned int row = row0 + step * u;
-        raw[u] = qz_fetch(src, which, blockIdx.x, row, row < count, cg);
+        raw[u] = row < count ? *(const uint4*)(plane_rows + (unsigned long long)row * QZ_D + 8 * cg)
+                             : make_uint4(0u, 0u, 0u, 0u);
         if (row >= count) continue;
         float x[8];
         qz_unpack8(raw[u], x);
@@ -262,19 +151,20 @@ __device__ __forceinline__ float qz_group_max(float x, float* red, unsigned int 
 }
 
 /* Phase 0: the plane's chunk `blockIdx.y` of keys -> per-channel sum of k and max |v|. */
-__device__ void qz_stats(const qz_source& src, float* partial, unsigned int keys, float* red)
+__device__ void qz_stats(const unsigned short* k, const unsigned short* v, float* partial, unsigned int keys,
+                         unsigned int kv_pitch, float* red)
 {
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16, lane_row = threadIdx.x / 16;
     const unsigned int per = (keys + QZ_CHUNKS - 1) / QZ_CHUNKS;
     const unsigned int stop = min(keys, (blockIdx.y + 1) * per);
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vmax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (unsigned int base = blockIdx.y * per; base < stop; base += 16) {   /* block-uniform trip count */
-        const unsigned int row = base + lane_row;
+    for (unsigned int row = blockIdx.y * per + lane_row; row < stop; row += 16) {
+        const unsigned long long at = ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg;
         float x[8];
-        qz_unpack8(qz_fetch(src, 1, plane, row, row < stop, cg), x);   /* zero past stop: adds nothing */
+        qz_load8(k + at, x);
         #pragma unroll
         for (int e = 0; e < 8; e++) sum[e] += x[e];
-        qz_unpack8(qz_fetch(src, 2, plane, row, row < stop, cg), x);
+        qz_load8(v + at, x);
         #pragma unroll
         for (int e = 0; e < 8; e++) vmax[e] = fmaxf(vmax[e], fabsf(x[e]));
     }
@@ -315,13 +205,13 @@ __device__ __forceinline__ void qz_row_shift(const uint4* raw, const float* mu, 
 }
 
 /* Phase 1, q: rows [128 tile, + 128) as two 64-row blocks (threads 0-127 and 128-255). */
-__device__ void qz_query(const qz_source& src, unsigned char* q8, float* q_scale, float* q_shift,
-                         const float* mu, unsigned int seq_q, float scale_log2, float* red)
+__device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_scale, float* q_shift,
+                         const float* mu, unsigned int seq_q, unsigned int q_pitch, float scale_log2, float* red)
 {
     const unsigned int plane = blockIdx.x, half = threadIdx.x / 128, cg = threadIdx.x % 16;
     const unsigned int row0 = blockIdx.y * QZ_TILE + half * 64 + (threadIdx.x % 128) / 16;
     uint4 raw[8];
-    float amax = qz_rows(src, 0, row0, 8, seq_q, cg, nullptr, raw);
+    float amax = qz_rows(q + (unsigned long long)plane * q_pitch * QZ_D, row0, 8, seq_q, cg, nullptr, raw);
     qz_row_shift(raw, mu, q_shift + (unsigned long long)plane * seq_q, row0, 8, seq_q, cg, scale_log2);
     amax = fmaxf(qz_group_max(amax, red, half * 128, 4), QZ_FLOOR);
     const unsigned int q_blocks = (seq_q + 63) / 64, block = blockIdx.y * 2 + half;
@@ -331,13 +221,13 @@ __device__ void qz_query(const qz_source& src, unsigned char* q8, float* q_scale
 }
 
 /* Phase 1, k: key tile `blockIdx.y`, smoothed by mu, one scale. */
-__device__ void qz_key(const qz_source& src, unsigned char* k8, float* k_scale, const float* mu, unsigned int seq_k,
-                       unsigned int keys, float* red)
+__device__ void qz_key(const unsigned short* k, unsigned char* k8, float* k_scale, const float* mu, unsigned int seq_k,
+                       unsigned int keys, unsigned int kv_pitch, float* red)
 {
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
     const unsigned int row0 = blockIdx.y * QZ_TILE + threadIdx.x / 16;
     uint4 raw[8];
-    float amax = qz_rows(src, 1, row0, 16, keys, cg, mu, raw);
+    float amax = qz_rows(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, keys, cg, mu, raw);
     amax = fmaxf(qz_group_max(amax, red, 0, 8), QZ_FLOOR);
     const unsigned int k_tiles = (seq_k + QZ_TILE - 1) / QZ_TILE;
     if (threadIdx.x == 0) k_scale[(unsigned long long)plane * k_tiles + blockIdx.y] = amax / 127.f;
@@ -347,14 +237,16 @@ __device__ void qz_key(const qz_source& src, unsigned char* k8, float* k_scale, 
 /* Phase 1, v: key tile `blockIdx.y` as E4M3 V^T rows (channel-major, keys permuted). The tile is staged in
    shared memory as it is (coalesced 16-byte loads, zero past seq_k); then thread i writes channel i % 128 of
    32-key chunks 2 (i / 128) and + 1, reading down the staged columns (a warp reads 64 contiguous bytes). */
-__device__ void qz_value_t(const qz_source& src, unsigned char* vt8, const float* v_inv, unsigned int seq_k,
-                           unsigned int keys, unsigned short* stage)
+__device__ void qz_value_t(const unsigned short* v, unsigned char* vt8, const float* v_inv, unsigned int seq_k,
+                           unsigned int keys, unsigned int kv_pitch, unsigned short* stage)
 {
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
     #pragma unroll
     for (int u = 0; u < 8; u++) {
         const unsigned int key = threadIdx.x / 16 + 16 * u, row = blockIdx.y * QZ_TILE + key;
-        *(uint4*)(stage + key * QZ_D + 8 * cg) = qz_fetch(src, 2, plane, row, row < keys, cg);
+        uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+        if (row < keys) raw = *(const uint4*)(v + ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg);
+        *(uint4*)(stage + key * QZ_D + 8 * cg) = raw;
     }
     __syncthreads();
     const unsigned int d = threadIdx.x % QZ_D, k_pad = (seq_k + QZ_TILE - 1) / QZ_TILE * QZ_TILE;
@@ -386,15 +278,9 @@ __device__ void qz_value_t(const qz_source& src, unsigned char* vt8, const float
 
 extern "C" __global__ void __launch_bounds__(QZ_THREADS)
 quantize_qkv8(
-#if QZ_SOURCE == 0
-    const unsigned short* __restrict__ q, const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
-#else
-    const qz_in_t* __restrict__ q_txt, const qz_in_t* __restrict__ k_txt, const qz_in_t* __restrict__ v_txt,
-    const qz_in_t* __restrict__ q_img, const qz_in_t* __restrict__ k_img, const qz_in_t* __restrict__ v_img,
-    const float* __restrict__ wq_txt, const float* __restrict__ wk_txt,
-    const float* __restrict__ wq_img, const float* __restrict__ wk_img,
-    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
-#endif
+    const unsigned short* __restrict__ q,
+    const unsigned short* __restrict__ k,
+    const unsigned short* __restrict__ v,
     const int* __restrict__ key_lens,
     unsigned char* __restrict__ q8,
     unsigned char* __restrict__ k8,
@@ -406,33 +292,19 @@ quantize_qkv8(
     float* __restrict__ partial,
     unsigned int seq_q,
     unsigned int seq_k,
-#if QZ_SOURCE == 0
     unsigned int q_pitch,
     unsigned int kv_pitch,
-#else
-    unsigned long long txt_row_stride, unsigned long long txt_batch_stride,
-    unsigned long long img_row_stride, unsigned long long img_batch_stride,
-    unsigned int text_len, float eps_q, float eps_k, int has_rope,
-#endif
     unsigned int num_heads,
     float scale_log2,
     unsigned int phase)
 {
-#if QZ_SOURCE == 0
-    const qz_source src = {{q, k, v}, {q_pitch, kv_pitch, kv_pitch}};
-#else
-    const qz_source src = {{q_txt, k_txt, v_txt, q_img, k_img, v_img}, {wq_txt, wk_txt, wq_img, wk_img},
-                           has_rope ? rope_cos : nullptr, rope_sin,
-                           {txt_row_stride, txt_batch_stride, img_row_stride, img_batch_stride},
-                           text_len, num_heads, {eps_q, eps_k}};
-#endif
     __shared__ __align__(16) unsigned short stage[QZ_TILE * QZ_D];
     __shared__ float mu[QZ_D], v_inv[QZ_D], red[8];
     float* stats = (float*)stage;   /* phase 0: 16 x 128 floats */
     const unsigned int batch = blockIdx.x / num_heads;
     const unsigned int keys = key_lens == nullptr ? seq_k : (unsigned int)min(max(key_lens[batch], 0), (int)seq_k);
     if (phase == 0) {
-        qz_stats(src, partial, keys, stats);
+        qz_stats(k, v, partial, keys, kv_pitch, stats);
         return;
     }
     const unsigned int d = threadIdx.x % QZ_D;
@@ -448,9 +320,9 @@ quantize_qkv8(
         if (blockIdx.y == 0) v_scale[(unsigned long long)blockIdx.x * QZ_D + d] = vmax / 448.f;
     }
     __syncthreads();
-    if (blockIdx.y * QZ_TILE < seq_q) qz_query(src, q8, q_scale, q_shift, mu, seq_q, scale_log2, red);
+    if (blockIdx.y * QZ_TILE < seq_q) qz_query(q, q8, q_scale, q_shift, mu, seq_q, q_pitch, scale_log2, red);
     if (blockIdx.y * QZ_TILE < seq_k) {
-        qz_key(src, k8, k_scale, mu, seq_k, keys, red);
-        qz_value_t(src, vt8, v_inv, seq_k, keys, stage);
+        qz_key(k, k8, k_scale, mu, seq_k, keys, kv_pitch, red);
+        qz_value_t(v, vt8, v_inv, seq_k, keys, kv_pitch, stage);
     }
 }

@@ -19,7 +19,7 @@ import torch
 
 from . import runtime, tensor_maps
 from .geometry import Geometry, Window, full_window
-from .quantized import code_operands, quantize_projections, quantized_operands
+from .quantized import quantized_operands
 from .registry import KernelSpec, Variant, prologue_variant, quantize_variant, split_variant
 from .selection import NoKernelError, Problem, Selection, select_kernel
 from .validation import PrologueLayout
@@ -195,22 +195,12 @@ def launch_attention(
             batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype, heads, scalars["scale_log2"]
         )
         operands, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
-    launch_row(variant, query.device.index, (batch, heads, q_count), operands, scalars)
-
-
-def launch_row(
-    variant: Variant, device_index: int, extent: tuple[int, int, int], operands: tuple[Any, ...],
-    scalars: dict[str, Any],
-) -> None:  # fmt: skip
-    """Queue one launch of an attention `variant` over `extent` (batch, heads, query rows): its operands,
-    then the scalars its row lists (taken from `scalars` by name). Every attention launch goes through here."""
-    spec = variant.spec
     runtime.launch(
-        runtime.function(variant, device_index),
-        device_index,
-        variant.grid(*extent),
+        runtime.function(variant, query.device.index),
+        query.device.index,
+        variant.grid(batch, heads, q_count),
         spec.threads,
-        spec.shared_bytes(variant.head_dim),
+        spec.shared_bytes(head_dim),
         _signature(spec),
         operands + tuple(scalars[name] for name in spec.scalars),
     )
@@ -339,21 +329,6 @@ def qkv_prologue_cuda(
         [*layout.pointers, *(t.data_ptr() for t in outs), *scalars],
     )
     return tuple(outs)
-
-
-def attention_from_projections_cuda(layout: PrologueLayout, kernel: str) -> torch.Tensor:
-    """The 8-bit path from FLUX projections (`quantized.projections_blocker` None): the fused prologue and
-    prepass (two launches), then the 8-bit `kernel`; token-major `[B, N, H*D]` bfloat16, scale D^-0.5."""
-    batch, seq, heads, head_dim = layout.batch, layout.seq, layout.heads, layout.head_dim
-    device_index = layout.device_index
-    variant = resolve(kernel, torch.bfloat16, torch.bfloat16, head_dim, device_index, True).variant
-    g = Geometry(batch * heads, seq, seq, seq, seq, head_dim, torch.bfloat16, heads, head_dim**-0.5 * _LOG2_E)
-    out = torch.empty((batch, seq, heads * head_dim), dtype=torch.bfloat16, device=_device(device_index))
-    _workspace, at = quantize_projections(layout, g)  # freed after the launches are queued: stream-ordered
-    operands, _maps = code_operands(at, g, (out.data_ptr(), 0, 0))
-    launch_row(variant, device_index, (batch, heads, seq), operands, {"heads": heads, "seq_q": seq, "seq_k": seq,
-                                                                       "out_pitch": seq})  # fmt: skip
-    return out
 
 
 def cannot_run(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

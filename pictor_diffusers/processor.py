@@ -17,8 +17,7 @@ The math is that of diffusers' stock `Flux2AttnProcessor` /
 `Flux2ParallelSelfAttnProcessor`: projections, QK RMSNorm, [text, image] token
 order, RoPE, attention, cast back to the model dtype, output projections. On
 CUDA the part after the projections is two launches, the fused prologue and
-the attention kernel, which writes its output in the model dtype (three for
-"fp8", whose prologue also quantises: `pictor_diffusers.fused8`); on CPU the
+the attention kernel, which writes its output in the model dtype; on CPU the
 same algorithms run in torch. `precision` picks the contract:
 
 * "fp32" (default, parity): norms, RoPE and attention in float32 whatever the
@@ -47,7 +46,6 @@ from diffusers.models.transformers.transformer_flux import FluxAttention
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
 from .flux1 import flux1_attention
-from .fused8 import attention_8bit
 from .kv_cache import KvRequest, kv_attention, kv_gap, kv_request
 from .ops import attention
 from .parallel import check_local_rope, context_parallel, context_parallel_attention
@@ -56,7 +54,6 @@ from .prologue import Rope, Segment, pack_head_major
 from .registry import eight_bit_kernels, kernels_for
 from .validation import OUT_DTYPE_CHOICES
 
-EIGHT_BIT = eight_bit_kernels()
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "auto": None}
 _DOUBLE_STREAM_ARGS = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
 _SINGLE_STREAM_ARGS = ("attention_mask", "image_rotary_emb")
@@ -189,8 +186,6 @@ class PictorAttn:
         groups = context_parallel(self._parallel_config)
         if groups is not None:
             check_local_rope(rope, sum(segment.query.shape[1] for segment in segments))
-        if kv is None and groups is None and self.kernel in EIGHT_BIT:
-            return attention_8bit(segments, head_dim, rope, self.kernel).to(dtype)
         query, key, value = pack_head_major(segments, head_dim, rope, compute, kv_gap(kv))
         out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
         if kv is not None:

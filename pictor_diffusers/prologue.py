@@ -111,7 +111,7 @@ def _open_gap(tensor: torch.Tensor, gap_at: int, kv_gap: int) -> torch.Tensor:
     return out
 
 
-def prologue_impl(
+def _prologue_impl(
     projections: list[torch.Tensor],
     weights: list[torch.Tensor],
     rope: list[torch.Tensor],
@@ -140,7 +140,7 @@ def _prologue_op(
     gap_at: int = 0,
     kv_gap: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return prologue_impl(projections, weights, rope, eps, _DTYPES[out_dtype], gap_at, kv_gap)
+    return _prologue_impl(projections, weights, rope, eps, _DTYPES[out_dtype], gap_at, kv_gap)
 
 
 @_prologue_op.register_fake
@@ -165,19 +165,6 @@ def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
 
 
 _prologue_op.register_autograd(_no_backward)
-
-
-def prologue_inputs(
-    segments: list[Segment], head_dim: int, rope: Rope | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[float]]:
-    """The prologue's flat arguments: projections (q, k, v of each segment), f32 norm weights (q, k of
-    each segment), f32 RoPE tables (cos, sin; empty without RoPE) and the norms' eps."""
-    image = segments[-1]
-    norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
-    params = [norm_params(norm, head_dim, image.query) for norm in norms]
-    rope_list = [_float_table(t, image.query.device) for t in rope] if rope else []
-    projections = [t for segment in segments for t in segment[:3]]
-    return projections, [w for w, _ in params], rope_list, [e for _, e in params]
 
 
 def pack_head_major(
@@ -205,8 +192,13 @@ def pack_head_major(
     """
     if dtype not in _DTYPES.values():
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
-    projections, weights, rope_list, eps = prologue_inputs(segments, head_dim, rope)
+    image = segments[-1]
+    norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
+    params = [norm_params(norm, head_dim, image.query) for norm in norms]
+    rope_list = [_float_table(t, image.query.device) for t in rope] if rope else []
+    projections = [t for segment in segments for t in segment[:3]]
+    weights, eps = [w for w, _ in params], [e for _, e in params]
     if needs_op(*projections):
         name = str(dtype).removeprefix("torch.")
         return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, name, *kv_gap)
-    return prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap, eager=True)
+    return _prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap, eager=True)

@@ -1,9 +1,8 @@
 """The 8-bit kernel's operands: the quantising prepass (`kernels/quantize_qkv8.cu`) and maps of its codes.
 
-`quantize` runs the prepass's two phases on a launch window's 16-bit q, k, v (contiguous head-major
-`[B, H, N, 128]`, first-row addresses); `quantize_projections` runs them on FLUX projections with the
-prologue fused in (the `PROLOGUE8` row: the same codes as the prologue then `quantize`). Either writes one
-workspace allocation:
+`quantized_operands` runs the prepass's two phases on a launch window's 16-bit q, k, v (contiguous head-major
+`[B, H, N, 128]`, first-row addresses) into one workspace allocation, then encodes byte tensor maps of the
+codes for `flash_attn_fp8.cu`:
 
     q8      int8  [B*H, Nq, 128]           q_scale  f32 [B*H, ceil(Nq / 64)]   (logit scale * log2 e folded in)
     k8      int8  [B*H, Nk, 128] smoothed  k_scale  f32 [B*H, ceil(Nk / 128)]
@@ -11,8 +10,7 @@ workspace allocation:
     q_shift f32   [B*H, Nq]                (scale log2 e q . mu: K smoothing's shift of the row's logits)
     partial f32   [2, B*H, CHUNKS, 128]    (phase 0's per-chunk key sums and value maxima)
 
-and `code_operands` encodes byte tensor maps of the codes for `flash_attn_fp8.cu`. With per-batch key
-counts, only each batch's attended keys enter K's mean, the scales and the codes.
+With per-batch key counts, only each batch's attended keys enter K's mean, the scales and the codes.
 """
 
 from __future__ import annotations
@@ -24,17 +22,14 @@ import torch
 
 from . import runtime, tensor_maps
 from .geometry import Geometry
-from .registry import QUANTIZE, Variant, prologue8_variant, quantize_variant
-from .validation import PrologueLayout
+from .registry import QUANTIZE, quantize_variant
 
 TILE, Q_BLOCK = 128, 64
 CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
 _ALIGN = 256
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 _SIGNATURE = (_U64,) * 12 + (_U32,) * 5 + (_F32, _U32)
-_PROJECTION_SIGNATURE = (_U64,) * 21 + (_U32,) * 2 + (_U64,) * 4 + (_U32, _F32, _F32, ctypes.c_int32, _U32, _F32, _U32)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_OUTPUTS = ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "q_shift", "partial")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 128) -> dict[str, tuple[int, int]]:
@@ -63,44 +58,18 @@ def quantize(
     """Run the prepass on the window's q, k, v (`pointers`, `g`; `key_lens`: the address of per-batch key
     counts, or 0); returns the workspace (uint8, keep it referenced until the attention launch is issued) and
     each output's address."""
-    variant = quantize_variant(g.head_dim, _DTYPE_NAMES[g.dtype])
-    scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.heads, g.scale_log2)
-    return _run_phases(variant, _SIGNATURE, (*pointers, key_lens), scalars, g, device_index)
-
-
-def projections_blocker(layout: PrologueLayout) -> str | None:
-    """Why `quantize_projections` cannot read these projections (None if it can): it loads 16 bytes."""
-    if layout.head_dim != 128:
-        return f"the fused 8-bit prologue takes head_dim 128, got {layout.head_dim}"
-    size = layout.dtype.itemsize
-    if any(address % 16 for address in layout.pointers[:6]) or any(stride * size % 16 for stride in layout.strides):
-        return "the fused 8-bit prologue needs 16-byte aligned projection rows"
-    return None
-
-
-def quantize_projections(layout: PrologueLayout, g: Geometry) -> tuple[torch.Tensor, dict[str, int]]:
-    """`quantize` of what the prologue would make of `layout`'s projections (bfloat16 q, k, v, no KV gap,
-    `projections_blocker` None), in the same two launches: the workspace and each output's address."""
-    variant = prologue8_variant(layout.head_dim, _DTYPE_NAMES[layout.dtype])
-    extents = (g.q_count, g.k_count, *layout.strides, layout.text_len, *layout.eps, int(layout.rope), g.heads)
-    inputs = (*layout.pointers, 0)
-    return _run_phases(variant, _PROJECTION_SIGNATURE, inputs, (*extents, g.scale_log2), g, layout.device_index)
-
-
-def _run_phases(
-    variant: Variant, signature: tuple[Any, ...], inputs: tuple[int, ...], scalars: tuple[Any, ...], g: Geometry,
-    device_index: int,
-) -> tuple[torch.Tensor, dict[str, int]]:  # fmt: skip
-    """Both phases of a `quantize_qkv8` build: (inputs, key_lens) addresses, the outputs, `scalars`, phase."""
     layout = workspace_layout(g.planes, g.q_count, g.k_count, g.head_dim)
     last_offset, last_size = layout["partial"]
     workspace = torch.empty(last_offset + last_size, dtype=torch.uint8, device=torch.device("cuda", device_index))
     at = {name: workspace.data_ptr() + offset for name, (offset, _) in layout.items()}
+    variant = quantize_variant(g.head_dim, _DTYPE_NAMES[g.dtype])
     function = runtime.function(variant, device_index)
+    outputs = tuple(at[name] for name in ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "q_shift", "partial"))
+    scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.heads, g.scale_log2)
     tiles = max(-(-g.q_count // TILE), -(-g.k_count // TILE))
     for phase, grid in ((0, (g.planes, CHUNKS, 1)), (1, (g.planes, tiles, 1))):
-        args = (*inputs, *(at[name] for name in _OUTPUTS), *scalars, phase)
-        runtime.launch(function, device_index, grid, variant.spec.threads, 0, signature, args)
+        args = (*pointers, key_lens, *outputs, *scalars, phase)
+        runtime.launch(function, device_index, grid, QUANTIZE.threads, 0, _SIGNATURE, args)
     return workspace, at
 
 
@@ -119,17 +88,11 @@ def _code_maps(at: dict[str, int], g: Geometry) -> list[tuple[ctypes.Array, int]
     ]
 
 
-def code_operands(at: dict[str, int], g: Geometry, tail: tuple[int, ...]) -> tuple[tuple[Any, ...], object]:
-    """(operand values, the maps to keep referenced) of the "quantized" kind from a workspace's addresses
-    `at` and the (out, lse, key_lens) addresses."""
-    maps = _code_maps(at, g)
-    scales = (at["q_scale"], at["k_scale"], at["v_scale"], at["q_shift"])
-    return (*(address for _, address in maps), *tail, *scales), maps
-
-
 def quantized_operands(pointers: tuple[int, ...], g: Geometry, device_index: int) -> tuple[tuple[Any, ...], object]:
     """(operand values, what must stay referenced until the launch) of the "quantized" operand kind, from
     the window's (q, k, v, out, lse, key_lens) addresses: the prepass, then maps of its codes."""
     workspace, at = quantize(pointers[:3], g, device_index, key_lens=pointers[5])
-    operands, maps = code_operands(at, g, pointers[3:])
-    return operands, (maps, workspace)
+    maps = _code_maps(at, g)
+    addresses = tuple(address for _, address in maps)
+    scales = (at["q_scale"], at["k_scale"], at["v_scale"], at["q_shift"])
+    return (*addresses, *pointers[3:], *scales), (maps, workspace)

@@ -367,7 +367,7 @@ QUANTIZE = KernelSpec(
     rows_per_block=128,
     shared_bytes=lambda d: 0,
     prefix="QZ_",
-    geometry={"THREADS": "256", "CHUNKS": "16", "SOURCE": "0"},
+    geometry={"THREADS": "256", "CHUNKS": "16"},
     kinds=("IN_KIND",),
     smem_define=False,
     flags=(),
@@ -377,40 +377,10 @@ QUANTIZE = KernelSpec(
 (two phases, one entry)."""
 
 
-PROLOGUE8 = KernelSpec(
-    name="prologue8",
-    family="prologue",
-    source="quantize_qkv8.cu",
-    entry="quantize_qkv8",
-    in_dtypes=tuple(KINDS),
-    out_dtypes=("int8",),
-    head_dims=(128,),
-    min_capability=(8, 9),
-    threads=256,
-    rows_per_block=128,
-    shared_bytes=lambda d: 0,
-    prefix="QZ_",
-    geometry={"THREADS": "256", "CHUNKS": "16", "SOURCE": "1"},
-    kinds=("IN_KIND",),
-    smem_define=False,
-    flags=(),
-    scalars=("seq_q", "seq_k", "heads", "scale_log2"),
-)
-"""The prologue and the 8-bit prepass fused: FLUX projections -> the prepass's outputs, with the prologue's
-norm and RoPE arithmetic and bf16 rounding, so the codes equal prologue-then-prepass. Built as `QUANTIZE` is
-(no `-ftz`: the quantiser's arithmetic is identical; the prologue's flushes only subnormal values)."""
-
-
 @functools.cache
 def quantize_variant(head_dim: int, in_dtype: str) -> Variant:
     """The quantising prepass build for `head_dim` (128) and `in_dtype` (bfloat16 or float16) inputs."""
     return Variant(QUANTIZE, head_dim, in_dtype, "int8")
-
-
-@functools.cache
-def prologue8_variant(head_dim: int, in_dtype: str) -> Variant:
-    """The fused prologue + 8-bit prepass build for `head_dim` (128) and `in_dtype` projections."""
-    return Variant(PROLOGUE8, head_dim, in_dtype, "int8")
 
 
 @functools.cache

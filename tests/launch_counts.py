@@ -10,11 +10,11 @@ from pictor_diffusers import launch
 def count_launches(monkeypatch: pytest.MonkeyPatch, family: str) -> list[int]:
     """Launches of `family` kernels ("16bit", "8bit", ...) from here on, in a one-element list."""
     calls = [0]
-    original = launch.launch_row
+    original = launch.launch_attention
 
     def counting(variant: object, *args: object) -> None:
         calls[0] += variant.spec.family == family
         original(variant, *args)
 
-    monkeypatch.setattr(launch, "launch_row", counting)
+    monkeypatch.setattr(launch, "launch_attention", counting)
     return calls

@@ -3,7 +3,7 @@
 Paths: `set_attention_backend("pictor" / "pictor_bf16")`, the
 `attention_backend(...)` context manager, and `PictorAttn()` /
 `PictorAttn(precision="bf16")`. head_dim 128, so the 16-bit paths reach the
-16-bit kernels (wgmma on Hopper). Launches of `launch.launch_row` are
+16-bit kernels (wgmma on Hopper). Launches of `launch.launch_attention` are
 counted by kernel family: every attention module runs exactly one pictor
 kernel of the path's family.
 
@@ -80,14 +80,14 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def count_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     """Launches of pictor's attention kernels inside the block, by kernel family ("fp32", "16bit")."""
     calls = {"fp32": 0, "16bit": 0}
-    original = launch.launch_row
+    original = launch.launch_attention
 
     def counting(variant: launch.Variant, *args: object) -> None:
         calls[variant.spec.family] += 1
         original(variant, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(launch, "launch_row", counting)
+        patch.setattr(launch, "launch_attention", counting)
         yield calls
 
 

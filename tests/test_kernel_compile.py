@@ -29,11 +29,9 @@ from pictor_diffusers.registry import (
     BY_NAME,
     KERNELS,
     PROLOGUE,
-    PROLOGUE8,
     QUANTIZE,
     SPLIT,
     Variant,
-    prologue8_variant,
     prologue_variant,
     quantize_variant,
     split_variant,
@@ -47,12 +45,7 @@ PROLOGUES = tuple(
     for dtype in PTX_TYPE | {"float32": ""}
     for out in {"float32", dtype}
 )
-PREPASSES = (
-    split_variant(128),
-    quantize_variant(128, "bfloat16"),
-    quantize_variant(128, "float16"),
-    *(prologue8_variant(128, dtype) for dtype in ("float32", "bfloat16", "float16")),
-)
+PREPASSES = (split_variant(128), quantize_variant(128, "bfloat16"), quantize_variant(128, "float16"))
 ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES + PREPASSES
 MAY_SPILL = {"f32_d256_float32_to_float32", "f32_d384_float32_to_float32"}
 """Wide scalar-kernel builds (head_dim > 128: no FLUX.2 model) may spill; they warn instead."""
@@ -122,7 +115,7 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
 @needs_cupy
 def test_defines_reach_nvrtc() -> None:
     """Every variant of a source compiles to different code: its -D options are used."""
-    for spec in (*KERNELS, PROLOGUE, PROLOGUE8, SPLIT, QUANTIZE):
+    for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
         builds = [(v, arch) for v, arch in BUILDS if v.spec is spec and arch == archs(v)[-1]]
         ptxs = {v.name: ptx_for(v, arch) for v, arch in builds}
         assert builds, f"no {spec.name} build"
@@ -228,7 +221,7 @@ def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.M
 def test_sources_hold_the_entries() -> None:
     from pictor_diffusers.sources import read_source
 
-    for spec in (*KERNELS, PROLOGUE, PROLOGUE8, SPLIT, QUANTIZE):
+    for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
         source = read_source(spec.source)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
         assert '#include "common.cuh"' in source, f"{spec.source} does not use the shared header"
