@@ -132,7 +132,8 @@ def test_prepass_matches_torch_quantisers() -> None:
     q_codes, q_scales = quantize_int8_blocks(q, 64, scale_log2)
     k_codes, k_scales = quantize_int8_blocks(smooth_k(k)[0], 128)
     v_scales = v.float().abs().amax(dim=2, keepdim=True) / 448.0
-    v_codes = to_e4m3(v.float() * (448.0 / v.float().abs().amax(dim=2, keepdim=True)))  # the kernel's f32 ops
+    v_absmax = v.float().abs().amax(dim=2, keepdim=True)
+    v_codes = to_e4m3(v.float() * (torch.full_like(v_absmax, 448.0) / v_absmax))  # the kernel's f32 ops
     got_q = part("q8", torch.int8, (batch, heads, seq_q, 128))
     got_k = part("k8", torch.int8, (batch, heads, seq_k, 128))
     mismatched = (got_q != q_codes).float().mean().item()
