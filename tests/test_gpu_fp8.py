@@ -136,8 +136,7 @@ def test_prepass_matches_torch_quantisers() -> None:
     v_codes = to_e4m3(v.float() * (torch.full_like(v_absmax, 448.0) / v_absmax))  # the kernel's f32 ops
     got_q = part("q8", torch.int8, (batch, heads, seq_q, 128))
     got_k = part("k8", torch.int8, (batch, heads, seq_k, 128))
-    mismatched = (got_q != q_codes).float().mean().item()
-    assert (got_q.int() - q_codes.int()).abs().max().item() <= 1 and mismatched <= 1e-3, "q codes differ"
+    assert torch.equal(got_q, q_codes), f"{(got_q != q_codes).sum().item()} q codes differ"
     # k is smoothed by a mean the kernel sums in another order: codes may differ at rounding ties
     assert (got_k.int() - k_codes.int()).abs().max().item() <= 1 and (got_k != k_codes).float().mean().item() <= 1e-3
     torch.testing.assert_close(part("q_scale", torch.float32, q_scales.shape), q_scales, rtol=1e-6, atol=0)
@@ -151,10 +150,9 @@ def test_prepass_matches_torch_quantisers() -> None:
     want = torch.zeros(batch, heads, k_pad, 128, dtype=torch.uint8, device=q.device)
     want[:, :, :seq_k] = v_codes.view(torch.uint8)
     want = want[:, :, physical].transpose(2, 3)
-    # torch's float8 conversion and PTX's cvt.rn.satfinite.e4m3x2 disagree by one step on ~0.1% of these values
-    # (measured on the H200: near-ties, where the kernel's code is the even neighbour)
-    steps = (vt.int() - want.int()).abs()
-    assert steps.max().item() <= 1 and (steps > 0).float().mean().item() <= 5e-3, "V^T codes or their order differ"
+    # exact since the twin divides 448 / absmax once (torch's float / tensor rounded twice: one-step flips on
+    # ~0.1% of codes, once blamed on the E4M3 conversion; 0 of 33M q and V codes on the H200 since)
+    assert torch.equal(vt, want), f"{(vt != want).sum().item()} V^T codes differ or are out of order"
     assert (vt[..., physical >= seq_k] == 0).all(), "V^T codes of keys past seq_k are not zero"
 
 
