@@ -97,9 +97,10 @@ def test_lse_against_float64_and_twin(dtype: torch.dtype) -> None:
     out, lse = attention(q, k, v, kernel="fp8", return_lse=True)
     twin_out, twin_lse = kernel_twin(q, k, v, 128**-0.5, return_lse=True)
     assert lse.shape == (2, 300, 3) and lse.dtype == torch.float32
-    assert (lse.double() - lse_float64(q, k)).abs().max().item() <= 2e-2
-    assert (lse - twin_lse).abs().max().item() <= 5e-3
-    assert error_metrics(out.double(), twin_out.double())["rel_l2"] <= TWIN_REL_L2
+    exact_gap, twin_gap = (lse.double() - lse_float64(q, k)).abs().max().item(), (lse - twin_lse).abs().max().item()
+    out_gap = error_metrics(out.double(), twin_out.double())["rel_l2"]
+    print(f"fp8 LSE {_id(dtype)}: vs float64 {exact_gap:.2e}, vs twin {twin_gap:.2e}; output vs twin {out_gap:.2e}")
+    assert exact_gap <= 2e-2 and twin_gap <= 5e-3 and out_gap <= TWIN_REL_L2
 
 
 @pytest.mark.parametrize("seq", [4608, 16896])
@@ -110,9 +111,10 @@ def test_v_offset_against_float64_and_twin(seq: int) -> None:
     q, k, v = (t.cuda().bfloat16() for t in study_inputs("v_offset", 1, 2, seq, 128, seed=seq))
     _skip_unless_runs(q, k, v)
     out = attention(q, k, v, kernel="fp8").double()
-    twin = kernel_twin(q, k, v, 128**-0.5).double()
-    assert error_metrics(out, twin)["rel_l2"] <= TWIN_REL_L2
-    assert error_metrics(out, attention_float64(q, k, v))["rel_l2"] <= 1e-2
+    twin_gap = error_metrics(out, kernel_twin(q, k, v, 128**-0.5).double())["rel_l2"]
+    exact_gap = error_metrics(out, attention_float64(q, k, v))["rel_l2"]
+    print(f"fp8 v_offset N{seq}: vs twin rel_l2 {twin_gap:.2e}, vs float64 {exact_gap:.2e}")
+    assert twin_gap <= TWIN_REL_L2 and exact_gap <= 1e-2
 
 
 def test_prepass_matches_torch_quantisers() -> None:
