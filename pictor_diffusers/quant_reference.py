@@ -6,10 +6,9 @@ What the kernel does, tile by tile, emulated in float32:
 * K smoothing: K minus its mean over tokens per (b, h, channel); each row's logits shift by one constant,
   so softmax is unchanged, but the int8 range goes to what varies between keys.
 * Q -> int8, one scale per (b, h, 64 query rows); K -> int8, one per (b, h, 128 keys); scale absmax / 127,
-  codes x * (127 / absmax) in f32 (the prepass's IEEE quotient, then product: x / scale, or torch's
-  twice-rounded `127 / tensor`, flips ties) rounded to
-  nearest even, clamp to [-127, 127], absmax floored at QUANT_FLOOR. Q's scale also carries
-  `scale * log2(e)` (exp2 domain).
+  codes x * (127 / absmax) in f32, each quotient one IEEE division as in the prepass (x / scale, or torch's
+  twice-rounded `127 / tensor`, flips ties), rounded to nearest even, clamp to [-127, 127], absmax floored at
+  QUANT_FLOOR. Q's scale also carries `scale * log2(e)` (exp2 domain).
 * Logits: the int32 product of the codes (exact in f32 too: |sum| <= 128 * 127^2 < 2^24) times
   q_scale * k_scale; online softmax over 128-key tiles in f32.
 * A row's reference max m moves only when a tile's max exceeds it by more than KERNEL_RESCALE_SLACK
@@ -65,6 +64,12 @@ def _ratio(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
     return torch.full_like(denominator, numerator) / denominator
 
 
+def _over(numerator: torch.Tensor, denominator: float) -> torch.Tensor:
+    """numerator / denominator rounded once in f32, as the prepass's `amax / 127.f`: on CUDA, torch's
+    `tensor / float` multiplies by the rounded reciprocal (a last-bit difference in the scales)."""
+    return numerator / torch.full_like(numerator, denominator)
+
+
 def _per_row(scales: torch.Tensor, block: int, seq: int) -> torch.Tensor:
     """Block scales `[B, H, nb]` spread to rows: `[B, H, seq, 1]`."""
     return scales.repeat_interleave(block, dim=2)[:, :, :seq, None]
@@ -90,14 +95,14 @@ def quantize_int8_blocks(x: torch.Tensor, block: int, extra_scale: float = 1.0) 
     x = x.float()
     absmax = _block_absmax(x, block).clamp_min(QUANT_FLOOR)
     codes = torch.round(x * _per_row(_ratio(INT8_MAX, absmax), block, x.shape[2])).clamp(-INT8_MAX, INT8_MAX)
-    return codes.to(torch.int8), absmax / INT8_MAX * extra_scale
+    return codes.to(torch.int8), _over(absmax, INT8_MAX) * extra_scale
 
 
 def quantize_fp8_blocks(x: torch.Tensor, block: int, extra_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """As `quantize_int8_blocks` but to FP8 E4M3 (scale absmax / 448): float8_e4m3fn codes, float32 scales."""
     x = x.float()
     absmax = _block_absmax(x, block).clamp_min(QUANT_FLOOR)
-    return to_e4m3(x * _per_row(_ratio(FP8_MAX, absmax), block, x.shape[2])), absmax / FP8_MAX * extra_scale
+    return to_e4m3(x * _per_row(_ratio(FP8_MAX, absmax), block, x.shape[2])), _over(absmax, FP8_MAX) * extra_scale
 
 
 def quantize_fp8_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +117,7 @@ def quantize_fp8_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = x.float()
     absmax = x.abs().amax(dim=2, keepdim=True).clamp_min(QUANT_FLOOR)
-    return to_e4m3(x * _ratio(FP8_MAX, absmax)), absmax / FP8_MAX
+    return to_e4m3(x * _ratio(FP8_MAX, absmax)), _over(absmax, FP8_MAX)
 
 
 def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:

@@ -21,10 +21,10 @@ from pictor_diffusers.ops import windowed_attention
 from pictor_diffusers.quant_reference import (
     error_metrics,
     kernel_twin,
+    quantize_fp8_channels,
     quantize_int8_blocks,
     smooth_k,
     study_inputs,
-    to_e4m3,
 )
 from pictor_diffusers.quantized import quantize, workspace_layout
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
@@ -37,8 +37,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 SHAPES = [(1, 24, 4608, 4608), (2, 3, 1536, 1536), (2, 3, 77, 77), (1, 4, 1000, 4097), (2, 2, 300, 129), (1, 2, 1, 1)]
 TWIN_REL_L2 = 8e-3
 """Kernel vs twin: the same quantisation, so only exp2's approximation, f32 summation order, the P codes it
-flips at rounding ties and the FP8 wgmma's ~14-bit adds within a key tile differ (measured on the H200 since
-P.V is promoted per tile: 1.8e-3 to 3.2e-3; 8.4e-2 and 0.26 on v_offset when it was not)."""
+flips at rounding ties and the FP8 wgmma's ~14-bit adds within a key tile differ (measured on the H200 with
+the twin's one-division quantisers: 1.7e-3 to 2.2e-3 at 4608 and 16896 keys; 3.5e-3 to 4.1e-3 while the twin
+divided twice; 8.4e-2 and 0.26 on v_offset before P.V was promoted per tile)."""
 FLOAT64_COS, FLOAT64_REL_L1 = 0.998, 0.06
 LOG2E = 1.0 / math.log(2.0)
 
@@ -90,7 +91,8 @@ def test_lse_against_float64_and_twin(dtype: torch.dtype) -> None:
     (ring attention merges partial results by their LSEs). Bound: the twin's own LSE error on these inputs
     (measured on CPU: 3.9e-3 at N(0,1), 4.3e-3 with the offset; 3 before the shift was added back). Kernel vs
     twin: both sum the rounded P, so a P code that exp2's approximation flips at a rounding tie moves l
-    (measured on the H200: 2.4e-3 here, 1.6e-3 to 3.3e-3 at 4608 and 16896 keys)."""
+    (measured on the H200: 2.4e-3 here while the twin divided twice; 3.1e-4 to 1.3e-3 at 4608 and 16896 keys
+    since)."""
     q, k, v = qkv((2, 3, 300, 1000), dtype, seed=5)
     k = (k.float() + 3.0 * torch.randn(2, 3, 1, 128, device=k.device)).to(dtype)
     _skip_unless_runs(q, k, v)
@@ -133,9 +135,7 @@ def test_prepass_matches_torch_quantisers() -> None:
 
     q_codes, q_scales = quantize_int8_blocks(q, 64, scale_log2)
     k_codes, k_scales = quantize_int8_blocks(smooth_k(k)[0], 128)
-    v_scales = v.float().abs().amax(dim=2, keepdim=True) / 448.0
-    v_absmax = v.float().abs().amax(dim=2, keepdim=True)
-    v_codes = to_e4m3(v.float() * (torch.full_like(v_absmax, 448.0) / v_absmax))  # the kernel's f32 ops
+    v_codes, v_scales = quantize_fp8_channels(v)
     got_q = part("q8", torch.int8, (batch, heads, seq_q, 128))
     got_k = part("k8", torch.int8, (batch, heads, seq_k, 128))
     assert torch.equal(got_q, q_codes), f"{(got_q != q_codes).sum().item()} q codes differ"
@@ -152,8 +152,9 @@ def test_prepass_matches_torch_quantisers() -> None:
     want = torch.zeros(batch, heads, k_pad, 128, dtype=torch.uint8, device=q.device)
     want[:, :, :seq_k] = v_codes.view(torch.uint8)
     want = want[:, :, physical].transpose(2, 3)
-    # exact since the twin divides 448 / absmax once (torch's float / tensor rounded twice: one-step flips on
-    # ~0.1% of codes, once blamed on the E4M3 conversion; 0 of 33M q and V codes on the H200 since)
+    # exact since the twin divides 448 / absmax once (torch's float / tensor rounds twice: one-step flips on
+    # ~0.1% of codes, once blamed on the E4M3 conversion); on the H200 since, 0 of 32.8M q codes and 0 of
+    # 32.9M V^T codes differ (benchmarks/results/h200_prepass_codes_vs_twin.txt)
     assert torch.equal(vt, want), f"{(vt != want).sum().item()} V^T codes differ or are out of order"
     assert (vt[..., physical >= seq_k] == 0).all(), "V^T codes of keys past seq_k are not zero"
 
