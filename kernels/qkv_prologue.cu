@@ -114,8 +114,10 @@ qkv_prologue(
             if (lane < PR_LANES) {
                 const float4 wv = *(const float4*)(w + d);
                 const float4 y = make_float4(x.x * r * wv.x, x.y * r * wv.y, x.z * r * wv.z, x.w * r * wv.w);
-                x = make_float4(y.x * c.x - y.y * s.x, y.y * c.y + y.x * s.y,
-                                y.z * c.z - y.w * s.z, y.w * c.w + y.z * s.w);
+                /* the rounding spelled out (what the compiler chose before): a kernel that must match
+                   these bits can copy the expression without depending on its own contraction choice */
+                x = make_float4(__fmaf_rn(y.x, c.x, -__fmul_rn(y.y, s.x)), __fmaf_rn(y.y, c.y, __fmul_rn(y.x, s.y)),
+                                __fmaf_rn(y.z, c.z, -__fmul_rn(y.w, s.z)), __fmaf_rn(y.w, c.w, __fmul_rn(y.z, s.w)));
             }
         }
         if (lane < PR_LANES) {
