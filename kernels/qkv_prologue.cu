@@ -27,7 +27,9 @@
                 1: bf16, 2: f16, written as raw bits); k/v rows from token
                 gap_at on move down by kv_gap, leaving rows [gap_at, gap_at +
                 kv_gap) unwritten (FLUX.2's reference-image KV cache fills them)
-   Precision: f32 throughout; a 16-bit output is rounded once, to nearest even. */
+   Precision: f32 throughout; RoPE's outputs are fma(y0, c0, -(y1 s0)) and fma(y1, c1, y0 s1), the
+   products in brackets rounded (spelled out, not left to contraction); a 16-bit output is rounded once,
+   to nearest even. */
 
 #include "common.cuh"
 
@@ -116,8 +118,10 @@ qkv_prologue(
                 const float4 y = make_float4(x.x * r * wv.x, x.y * r * wv.y, x.z * r * wv.z, x.w * r * wv.w);
                 /* the rounding spelled out (what the compiler chose before): a kernel that must match
                    these bits can copy the expression without depending on its own contraction choice */
-                x = make_float4(__fmaf_rn(y.x, c.x, -__fmul_rn(y.y, s.x)), __fmaf_rn(y.y, c.y, __fmul_rn(y.x, s.y)),
-                                __fmaf_rn(y.z, c.z, -__fmul_rn(y.w, s.z)), __fmaf_rn(y.w, c.w, __fmul_rn(y.z, s.w)));
+                x = make_float4(__fmaf_rn(y.x, c.x, -__fmul_rn(y.y, s.x)),
+                                __fmaf_rn(y.y, c.y, __fmul_rn(y.x, s.y)),
+                                __fmaf_rn(y.z, c.z, -__fmul_rn(y.w, s.z)),
+                                __fmaf_rn(y.w, c.w, __fmul_rn(y.z, s.w)));
             }
         }
         if (lane < PR_LANES) {
