@@ -116,8 +116,6 @@ qkv_prologue(
             if (lane < PR_LANES) {
                 const float4 wv = *(const float4*)(w + d);
                 const float4 y = make_float4(x.x * r * wv.x, x.y * r * wv.y, x.z * r * wv.z, x.w * r * wv.w);
-                /* the rounding spelled out (what the compiler chose before): a kernel that must match
-                   these bits can copy the expression without depending on its own contraction choice */
                 x = make_float4(__fmaf_rn(y.x, c.x, -__fmul_rn(y.y, s.x)),
                                 __fmaf_rn(y.y, c.y, __fmul_rn(y.x, s.y)),
                                 __fmaf_rn(y.z, c.z, -__fmul_rn(y.w, s.z)),
