@@ -55,6 +55,7 @@
 #endif
 
 #define QZ_TILE 128
+#define QZ_STAT_ROWS 4   /* phase 0: rows per thread whose loads are in flight together */
 #define QZ_FLOOR 1.1368683772161603e-13f   /* 2^-43 */
 
 /* One 16-bit value as f32. */
@@ -83,12 +84,6 @@ __device__ __forceinline__ void qz_unpack8(uint4 raw, float* x)
     }
 }
 
-/* Eight 16-bit values (one 16-byte load) as f32. */
-__device__ __forceinline__ void qz_load8(const unsigned short* src, float* x)
-{
-    qz_unpack8(*(const uint4*)src, x);
-}
-
 /* Eight f32 to int8 codes x * inv (nearest, ties to even, saturated at +-127), packed little-endian. */
 __device__ __forceinline__ uint2 qz_int8x8(const float* x, float inv)
 {
@@ -106,13 +101,16 @@ __device__ __forceinline__ uint2 qz_int8x8(const float* x, float inv)
 __device__ __forceinline__ float qz_rows(const unsigned short* plane_rows, unsigned int row0, unsigned int step,
                                          unsigned int count, unsigned int cg, const float* shift, uint4* raw)
 {
-    float amax = 0.f;
     #pragma unroll
-    for (int u = 0; u < 8; u++) {
+    for (int u = 0; u < 8; u++) {   /* all eight loads in flight before the first use */
         const unsigned int row = row0 + step * u;
         raw[u] = row < count ? *(const uint4*)(plane_rows + (unsigned long long)row * QZ_D + 8 * cg)
                              : make_uint4(0u, 0u, 0u, 0u);
-        if (row >= count) continue;
+    }
+    float amax = 0.f;
+    #pragma unroll
+    for (int u = 0; u < 8; u++) {
+        if (row0 + step * u >= count) continue;
         float x[8];
         qz_unpack8(raw[u], x);
         #pragma unroll
@@ -158,15 +156,25 @@ __device__ void qz_stats(const unsigned short* k, const unsigned short* v, float
     const unsigned int per = (keys + QZ_CHUNKS - 1) / QZ_CHUNKS;
     const unsigned int stop = min(keys, (blockIdx.y + 1) * per);
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, vmax[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (unsigned int row = blockIdx.y * per + lane_row; row < stop; row += 16) {
-        const unsigned long long at = ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg;
-        float x[8];
-        qz_load8(k + at, x);
+    for (unsigned int base = blockIdx.y * per + lane_row; base < stop; base += 16 * QZ_STAT_ROWS) {
+        uint4 k_rows[QZ_STAT_ROWS], v_rows[QZ_STAT_ROWS];   /* every load in flight before the first use */
         #pragma unroll
-        for (int e = 0; e < 8; e++) sum[e] += x[e];
-        qz_load8(v + at, x);
+        for (int i = 0; i < QZ_STAT_ROWS; i++) {
+            const unsigned int row = base + 16 * i;
+            const unsigned long long at = ((unsigned long long)plane * kv_pitch + row) * QZ_D + 8 * cg;
+            k_rows[i] = row < stop ? *(const uint4*)(k + at) : make_uint4(0u, 0u, 0u, 0u);
+            v_rows[i] = row < stop ? *(const uint4*)(v + at) : make_uint4(0u, 0u, 0u, 0u);
+        }
         #pragma unroll
-        for (int e = 0; e < 8; e++) vmax[e] = fmaxf(vmax[e], fabsf(x[e]));
+        for (int i = 0; i < QZ_STAT_ROWS; i++) {   /* the thread's rows in increasing order; zero rows add 0 */
+            float x[8];
+            qz_unpack8(k_rows[i], x);
+            #pragma unroll
+            for (int e = 0; e < 8; e++) sum[e] += x[e];
+            qz_unpack8(v_rows[i], x);
+            #pragma unroll
+            for (int e = 0; e < 8; e++) vmax[e] = fmaxf(vmax[e], fabsf(x[e]));
+        }
     }
     const unsigned long long out = ((unsigned long long)plane * QZ_CHUNKS + blockIdx.y) * QZ_D;
     const unsigned long long second = (unsigned long long)gridDim.x * QZ_CHUNKS * QZ_D;
