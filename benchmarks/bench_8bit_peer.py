@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_kernel import environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import attention
@@ -121,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     table = methods()
     with torch.no_grad():
-        record = {"suite": "8bit_peer", "device": torch.cuda.get_device_name()}
+        record = {"suite": "8bit_peer", **environment()}
         record["speed"], record["accuracy"] = speed_rows(table), accuracy_rows(table)
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
