@@ -32,7 +32,7 @@ from .launch import resolve
 from .ops import attention
 from .registry import BY_NAME, MAX_HEAD_DIM
 from .selection import NoKernelError
-from .validation import OUT_DTYPE_CHOICES, check_scale
+from .validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
 
 _MAX_GRID = 65535
 _WARNED: set[str] = set()
@@ -77,9 +77,10 @@ def _unsupported(
     batch, seq, heads, head_dim = query.shape
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         return "head_dim", f"head_dim={head_dim} (pictor takes 1..{MAX_HEAD_DIM})"
-    if min(seq, key.shape[1]) < 1 or not 1 <= batch <= _MAX_GRID or not 1 <= heads <= _MAX_GRID:
+    seqs_fit = 1 <= min(seq, key.shape[1]) and max(seq, key.shape[1]) <= MAX_SEQ
+    if not seqs_fit or not 1 <= batch <= _MAX_GRID or not 1 <= heads <= _MAX_GRID or batch * heads > MAX_PLANES:
         extent = f"B={batch}, Nq={seq}, Nk={key.shape[1]}, H={heads}"
-        return "extent", f"{extent} (pictor takes Nq, Nk >= 1 and B, H in 1..{_MAX_GRID})"
+        return "extent", f"{extent} (pictor takes Nq, Nk in 1..{MAX_SEQ}, B, H in 1..{_MAX_GRID}, B*H <= {MAX_PLANES})"
     if scale is not None:
         try:
             check_scale(float(scale))

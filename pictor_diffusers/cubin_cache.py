@@ -1,32 +1,46 @@
-"""The on-disk cache of compiled kernel binaries, private to the user.
+"""The on-disk cache of compiled kernel binaries, private to the user (POSIX).
 
-* `cache_dir()`: `$PICTOR_CACHE_DIR`, else `$XDG_CACHE_HOME` or `~/.cache`, then `pictor-diffusers`.
-* Every folder it creates (missing parents included) is made 0700 whatever the umask. Before a
-  folder is read or written it must be a real directory (not a symbolic link), owned by the user and
-  not writable by group or others; anything else raises `UnsafeCacheError` naming it.
-* A cached file is loaded only if it is a regular file (not a link) with the same ownership and mode
-  rules and its content passes the caller's check; otherwise it is rebuilt and atomically replaced.
-* `<tempdir>/pictor-diffusers-<uid>` is a fallback, read or written only when the user's cache cannot
-  be created or written (read-only filesystem, no permission, a failed write), never on a plain miss.
-* Writes go to a temporary file in the same folder, then `os.replace`: concurrent processes never see
-  a partial file. Nothing is kept in memory between calls.
+* `cache_dir()`: `$PICTOR_CACHE_DIR`, else `$XDG_CACHE_HOME` or `~/.cache`, then `pictor-diffusers`
+  (`~` expanded; a relative `$PICTOR_CACHE_DIR` is an error, a relative `$XDG_CACHE_HOME` is ignored
+  as the XDG spec says).
+* The folder is opened one path component at a time from `/`, each with `O_NOFOLLOW` relative to its
+  parent's descriptor, and every read and write happens relative to the final descriptor: nothing is
+  re-opened by name. A symbolic link is followed only where it sits in a trusted folder and is owned by
+  root or the user (a symlinked home works; a link planted by another user is refused).
+  Every ancestor must be owned by root or the user and not writable by group or others unless it is
+  sticky and root-owned (`/tmp`); the cache folder itself must be the user's and writable by no one
+  else. Anything else raises `UnsafeCacheError` naming it. Folders it creates are made 0700.
+* An entry is trusted only if it is a regular file (not a link) of the user's, writable by no one else,
+  whose SHA-256 trailer matches its content and whose content passes the caller's check; the caller
+  gets those exact bytes, never a path to open again. Anything else is rebuilt and atomically replaced.
+* `<temp>/pictor-diffusers-<uid>` (`$TMPDIR` if absolute, else `/tmp` or `/var/tmp`) is a fallback,
+  used only when the user's cache cannot be located, created or written, never on a plain miss.
+* Writes go to a temporary file in the same folder, then a rename; temporary files left by a killed
+  writer are removed on the next miss once an hour old.
 
-Windows has neither `getuid` nor meaningful permission bits in `st_mode`, so there only the
-link/directory/regular-file checks apply.
+Without POSIX ownership, `O_NOFOLLOW` or directory descriptors nothing is cached: binaries are built
+in every process.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import secrets
 import stat
-import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CACHE_ENV = "PICTOR_CACHE_DIR"
-_POSIX = hasattr(os, "getuid")
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+TRAILER = b"pictor-sha256:"
+"""Each entry is `content + TRAILER + sha256(content)`; loaders read only `content`."""
+STALE_TEMP_SECONDS = 3600
+SUPPORTED = hasattr(os, "getuid") and hasattr(os, "O_NOFOLLOW") and os.open in os.supports_dir_fd
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_DIGEST = len(TRAILER) + hashlib.sha256().digest_size
 
 
 class UnsafeCacheError(RuntimeError):
@@ -38,123 +52,228 @@ class UnsafeCacheError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """The user's cache folder: $PICTOR_CACHE_DIR, else ($XDG_CACHE_HOME or ~/.cache)/pictor-diffusers."""
+    """The user's cache folder: $PICTOR_CACHE_DIR, else ($XDG_CACHE_HOME or ~/.cache)/pictor-diffusers.
+
+    Raises ValueError for a relative $PICTOR_CACHE_DIR, RuntimeError when there is no home folder.
+    """
     configured = os.environ.get(CACHE_ENV)
     if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pictor-diffusers"
+        folder = Path(configured).expanduser()
+        if not folder.is_absolute():
+            raise ValueError(f"{CACHE_ENV}={configured!r} must be an absolute path")
+        return folder
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or "").expanduser()
+    if xdg.is_absolute():
+        return xdg / "pictor-diffusers"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError) as error:
+        raise RuntimeError(f"no home folder to hold ~/.cache ({error})") from error
+    if not home.is_absolute():
+        raise RuntimeError(f"the home folder {str(home)!r} is not an absolute path")
+    return home / ".cache" / "pictor-diffusers"
 
 
-def _fallback_dir() -> Path:
-    """The per-user temporary folder used when the user's cache cannot be written."""
-    user = os.getuid() if _POSIX else os.environ.get("USERNAME", "user")
-    return Path(tempfile.gettempdir()) / f"pictor-diffusers-{user}"
+def fallback_dir() -> Path:
+    """The per-user temporary folder used when the user's cache cannot be written; never the current folder."""
+    for candidate in (os.environ.get("TMPDIR", ""), "/tmp", "/var/tmp"):
+        if candidate and os.path.isabs(candidate) and os.path.isdir(candidate):
+            return Path(candidate) / f"pictor-diffusers-{os.getuid()}"
+    raise FileNotFoundError("no absolute temporary folder ($TMPDIR, /tmp, /var/tmp) exists")
 
 
-def _problems(info: os.stat_result, kind: str) -> list[str]:
-    """Why a folder or file with this `lstat`/`fstat` result cannot be trusted; empty when it can."""
+def _problems(info: os.stat_result, role: str) -> list[str]:
+    """Why a component with this `fstat` result cannot be trusted as `role` ("ancestor", "folder", "file")."""
+    is_right_kind = stat.S_ISREG if role == "file" else stat.S_ISDIR
+    if not is_right_kind(info.st_mode):
+        return [f"is not a {'regular file' if role == 'file' else 'directory'}"]
     problems = []
-    if stat.S_ISLNK(info.st_mode):
-        problems.append("is a symbolic link")
-    elif not (stat.S_ISDIR if kind == "folder" else stat.S_ISREG)(info.st_mode):
-        problems.append(f"is not a {'directory' if kind == 'folder' else 'regular file'}")
-    elif _POSIX and info.st_mode & 0o022:
-        problems.append("is writable by group or others")
-    if _POSIX and info.st_uid != os.getuid():
+    owners = (0, os.getuid()) if role == "ancestor" else (os.getuid(),)
+    if info.st_uid not in owners:
         problems.append(f"is owned by uid {info.st_uid}, not by you (uid {os.getuid()})")
+    shared_sticky = role == "ancestor" and info.st_uid == 0 and info.st_mode & stat.S_ISVTX
+    if info.st_mode & 0o022 and not shared_sticky:
+        problems.append("is writable by group or others")
     return problems
 
 
-def _make_private_dir(folder: Path) -> None:
-    """Create `folder` and its missing parents with mode 0700 whatever the umask; existing ones are left alone."""
-    missing = []
-    while not os.path.lexists(folder) and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            continue  # created meanwhile by another process, or planted: the check decides
-        os.chmod(path, 0o700)
+def _refuse(path: Path, info: os.stat_result | None, problems: list[str]) -> UnsafeCacheError:
+    facts = "" if info is None else f" (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
+    return UnsafeCacheError(
+        f"refusing the pictor-diffusers cache folder {path}{facts}: it {' and '.join(problems)}, so another "
+        f"user could plant a kernel binary there. Fix: if the folder is yours, `chmod 700 {path}`; otherwise "
+        f"remove it, or set {CACHE_ENV} to a private folder of yours.",
+        path,
+    )
 
 
-def _check_folder(folder: Path) -> None:
-    """Raise `UnsafeCacheError` unless `folder` is a real directory of the user's that only the user can write."""
-    info = os.lstat(folder)
-    problems = _problems(info, "folder")
-    if problems:
-        raise UnsafeCacheError(
-            f"refusing the pictor-diffusers cache folder {folder} (owner uid {info.st_uid}, mode "
-            f"{stat.S_IMODE(info.st_mode):04o}): it {' and '.join(problems)}, so another user could plant a "
-            f"kernel binary there. Fix: if the folder is yours, `chmod 700 {folder}`; otherwise remove it, "
-            f"or set {CACHE_ENV} to a private folder of yours.",
-            folder,
-        )
-
-
-def _read_trusted(path: Path, is_valid: Callable[[bytes], bool]) -> bool:
-    """Whether `path` is a trusted regular file whose content passes `is_valid`; never follows a link."""
+def _open_child(parent: int, name: str, create: bool) -> int:
+    """Descriptor of directory `name` under descriptor `parent`, never following a link; created 0700
+    when missing and `create`."""
     try:
-        if path.is_symlink():  # O_NOFOLLOW does this where it exists; Windows lacks it
-            return False
-        descriptor = os.open(path, _OPEN_FLAGS)
-        with os.fdopen(descriptor, "rb") as handle:
-            if _problems(os.fstat(descriptor), "file"):
-                return False
-            data = handle.read()
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        return _open_child(parent, name, create=False)  # made meanwhile: the checks decide
+    descriptor = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    os.fchmod(descriptor, 0o700)  # whatever the umask
+    return descriptor
+
+
+def _link_target(parent: int, name: str, path: Path) -> Path | None:
+    """Where `name` under the trusted folder `parent` points if it is a symbolic link (None if not).
+
+    A link owned by root or the user inside a trusted folder was placed by one of them and cannot be
+    changed by anyone else, so it is followed; any other link is refused.
+    """
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISLNK(info.st_mode):
+        return None
+    if info.st_uid not in (0, os.getuid()):
+        raise _refuse(path, info, [f"is a symbolic link owned by uid {info.st_uid}"])
+    return Path(os.path.normpath(path.parent / os.readlink(name, dir_fd=parent)))
+
+
+def open_folder(folder: Path, create: bool = True) -> int:
+    """A directory descriptor of `folder` whose every component passed the checks (see the module doc).
+
+    Walks from `/` one component at a time, each opened with O_NOFOLLOW relative to its parent; a
+    symbolic link (trusted as `_link_target` says) restarts the walk at its target. Raises
+    UnsafeCacheError for an untrusted component, OSError when it cannot be opened or created.
+    """
+    parts, links = list(Path(os.path.normpath(folder)).parts), 0
+    while True:
+        descriptor, path = os.open("/", _DIR_FLAGS), Path("/")
+        try:
+            root_problems = _problems(os.fstat(descriptor), "ancestor")
+            if root_problems:
+                raise _refuse(path, os.fstat(descriptor), root_problems)
+            for depth, name in enumerate(parts[1:], start=2):
+                target = _link_target(descriptor, name, path / name)
+                if target is not None:
+                    break
+                path = path / name
+                child = _open_child(descriptor, name, create)
+                os.close(descriptor)
+                descriptor = child
+                info = os.fstat(descriptor)
+                problems = _problems(info, "folder" if depth == len(parts) else "ancestor")
+                if problems:
+                    raise _refuse(path, info, problems)
+            else:
+                if len(parts) < 2:
+                    raise _refuse(path, None, ["is the root folder"])
+                return descriptor
+        except BaseException:
+            os.close(descriptor)
+            raise
+        os.close(descriptor)
+        links += 1
+        if links > 40:
+            raise OSError(errno.ELOOP, "too many symbolic links", str(folder))
+        parts = [*target.parts, *parts[depth:]]
+
+
+def _read_trusted(folder: int, name: str, is_valid: Callable[[bytes], bool]) -> bytes | None:
+    """The content of entry `name` if it is trusted and intact (see the module doc), else None."""
+    try:
+        descriptor = os.open(name, _FILE_FLAGS, dir_fd=folder)
     except OSError:
-        return False
-    return is_valid(data)
+        return None
+    with os.fdopen(descriptor, "rb") as handle:
+        if _problems(os.fstat(descriptor), "file"):
+            return None
+        data = handle.read()
+    content, trailer = data[:-_DIGEST], data[-_DIGEST:]
+    if trailer != TRAILER + hashlib.sha256(content).digest() or not is_valid(content):
+        return None
+    return content
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` (mode 0600) through a temporary file in the same folder and a rename."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def _write_atomic(folder: int, name: str, content: bytes) -> None:
+    """Write `content` and its trailer to entry `name` (mode 0600) through a temporary file and a rename."""
+    temporary = f".{name}.{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    descriptor = os.open(temporary, flags, 0o600, dir_fd=folder)
     try:
         with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
+            handle.write(content + TRAILER + hashlib.sha256(content).digest())
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, path)
+            os.fchmod(handle.fileno(), 0o600)
+        os.replace(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        try:
+            os.unlink(temporary, dir_fd=folder)
+        except FileNotFoundError:
+            pass
         raise
 
 
-def cached_binary(name: str, key: str, build: Callable[[], bytes], is_valid: Callable[[bytes], bool]) -> Path:
-    """Path of a cached file `{name}-{sha256(key)[:24]}.cubin`, built by `build()` on a miss.
+def remove_stale_temporaries(folder: int, older_than: float = STALE_TEMP_SECONDS) -> int:
+    """Delete the `.*.tmp` files of killed writers in descriptor `folder`; returns how many."""
+    removed, now = 0, time.time()
+    for entry in os.scandir(folder):
+        if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+            info = entry.stat(follow_symlinks=False)
+            if now - info.st_mtime >= older_than:
+                os.unlink(entry.name, dir_fd=folder)
+                removed += 1
+    return removed
 
-    Raises `UnsafeCacheError` for a folder another user owns or can write to, `RuntimeError` when
-    neither the user's cache nor the temporary fallback can be written; `build`'s errors pass through.
+
+def _folders(errors: list[str]) -> Iterator[Path]:
+    """The user's cache, then the fallback, each located only when reached; failures go to `errors`."""
+    for locate in (cache_dir, fallback_dir):
+        try:
+            yield locate()
+        except (OSError, RuntimeError) as error:
+            errors.append(f"{locate.__name__}(): {error}")
+
+
+def cached_binary(
+    name: str, key: str, build: Callable[[], bytes], is_valid: Callable[[bytes], bool], rebuild: bool = False
+) -> bytes:
+    """The bytes of cache entry `{name}-{sha256(key)[:24]}.cubin`, built by `build()` on a miss.
+
+    `rebuild`: build and replace the entry even if it looks intact (a binary the driver refused).
+    Raises `UnsafeCacheError` for an untrusted folder, ValueError for a relative $PICTOR_CACHE_DIR,
+    `RuntimeError` when no folder can be written; `build`'s errors pass through.
     """
     if not name or Path(name).name != name or name.startswith("."):
         raise ValueError(f"cache entry name {name!r} must be a plain file name")
+    if not SUPPORTED:
+        return build()
     file_name = f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.cubin"
     data: bytes | None = None
-    errors = []
-    for folder in (cache_dir(), _fallback_dir()):
+    errors: list[str] = []
+    for folder in _folders(errors):
         try:
-            _make_private_dir(folder)
-            _check_folder(folder)
+            descriptor = open_folder(folder)
         except OSError as error:
             errors.append(f"{folder}: {error}")
             continue
-        path = folder / file_name
-        if _read_trusted(path, is_valid):
-            return path
-        if not os.access(folder, os.W_OK | os.X_OK):
-            errors.append(f"{folder}: not writable")
-            continue
-        if data is None:
-            data = build()
         try:
-            _write_atomic(path, data)
-        except OSError as error:
-            errors.append(f"{folder}: {error}")
-            continue
-        return path
+            found = None if rebuild else _read_trusted(descriptor, file_name, is_valid)
+            if found is not None:
+                return found
+            data = build() if data is None else data
+            try:
+                remove_stale_temporaries(descriptor)
+                _write_atomic(descriptor, file_name, data)
+            except OSError as error:
+                errors.append(f"{folder}: {error}")
+                continue
+            return data
+        finally:
+            os.close(descriptor)
     raise RuntimeError(
         f"cannot write the pictor-diffusers binary cache ({'; '.join(errors)}); "
         f"set {CACHE_ENV} to a folder of yours that you can write"

@@ -73,7 +73,7 @@ def kv_attention(
     rows = slice(text, text + ref)
     if request.mode == "cached":
         cached_key, cached_value = request.cache.get()
-        _check_cached(cached_key, key, ref)
+        _check_cached(cached_key, cached_value, key, ref)
         key[:, :, rows].copy_(cached_key.transpose(1, 2))
         value[:, :, rows].copy_(cached_value.transpose(1, 2))
         return attention(query, key, value, out_dtype=out_dtype, kernel=kernel)
@@ -85,10 +85,26 @@ def kv_attention(
     return windowed_attention(query, key, value, windows, out_dtype=out_dtype, kernel=kernel)
 
 
-def _check_cached(cached_key: torch.Tensor, key: torch.Tensor, ref_len: int) -> None:
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_cached(cached_key: object, cached_value: object, key: torch.Tensor, ref_len: int) -> None:
+    """Raise unless the cached reference K and V are `(B, N_ref, H, D)` tensors of one float dtype on the
+    layer's device: a wrong value would otherwise be broadcast into the keys' gap silently."""
     batch, heads, _, head_dim = key.shape
-    if cached_key.dim() != 4 or tuple(cached_key.shape) != (batch, ref_len, heads, head_dim):
-        raise ValueError(
-            f"the KV cache holds reference keys of shape {tuple(cached_key.shape)}; this layer needs "
-            f"(B, N_ref, H, D) = {(batch, ref_len, heads, head_dim)}"
-        )
+    expected = (batch, ref_len, heads, head_dim)
+    for name, tensor in (("keys", cached_key), ("values", cached_value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"the KV cache holds reference {name} of type {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"the KV cache holds reference {name} of shape {tuple(tensor.shape)}; this layer needs "
+                f"(B, N_ref, H, D) = {expected}"
+            )
+        if tensor.device != key.device:
+            raise ValueError(f"the KV cache holds reference {name} on {tensor.device}; this layer runs on {key.device}")
+        if tensor.dtype not in _CACHE_DTYPES or tensor.dtype != cached_key.dtype:
+            raise TypeError(
+                f"the KV cache holds reference keys of dtype {cached_key.dtype} and values of dtype "
+                f"{tensor.dtype}; they must share one of {_CACHE_DTYPES}"
+            )

@@ -39,22 +39,23 @@ _lock = threading.Lock()
 
 
 def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int,
-            aligned: bool, key_lens: bool = False) -> Selection:  # fmt: skip
-    """The selection for these inputs on this device (`key_lens`: with per-batch key counts), memoised;
-    "auto" skips (and warns once about) a kernel that cannot be built or loaded here."""
-    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens)
+            aligned: bool, key_lens: bool = False, lse: bool = False) -> Selection:  # fmt: skip
+    """The selection for these inputs on this device (`key_lens`: with per-batch key counts; `lse`: with
+    the log-sum-exp), memoised; "auto" skips (and warns once about) a kernel that cannot be built or
+    loaded here."""
+    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse)
     selection = _resolved.get(key)
     if selection is not None:
         return selection
     capability, shared_limit = runtime.device_facts(device_index)
     problem = Problem(
-        DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens
+        DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens, lse
     )
     with _lock:
         disabled = _disabled.setdefault(device_index, {})
         while True:
             selection = select_kernel(problem, kernel, disabled)
-            problem_text = _prepare(selection.variant, device_index)
+            problem_text = None if selection.variant is None else _prepare(selection.variant, device_index)
             if problem_text is None:
                 break
             if kernel != "auto":
@@ -130,8 +131,12 @@ def attention_cuda(
     q_at = query.data_ptr() + window.q_start * query.stride(2) * size
     k_at = key.data_ptr() + window.k_start * key.stride(2) * size
     aligned = not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
-    selection = resolve(kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None)
+    selection = resolve(
+        kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None, lse is not None
+    )
     variant = selection.variant
+    if variant is None:
+        return _sdpa_attention(query, key, value, scale, out, window)
     if selection.upcast:
         query, key, value = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key, value))
     elif variant.spec.operands != "tensor_maps":
@@ -146,6 +151,23 @@ def attention_cuda(
         return result.to(out_dtype)
     rows = slice(window.q_start, window.q_stop)
     output(out, shape, out_dtype, query.device)[:, rows].copy_(result[:, rows])
+    return out
+
+
+def _sdpa_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, out: torch.Tensor | None, window: Window
+) -> torch.Tensor:
+    """The window's rows by torch's `scaled_dot_product_attention` (16-bit inputs on a device where it is
+    faster than pictor's kernels), token-major `[B, Nq, H*D]`, written into `out` when given."""
+    rows, keys = slice(window.q_start, window.q_stop), slice(window.k_start, window.k_stop)
+    result = torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, rows], key[:, :, keys], value[:, :, keys], scale=scale
+    )
+    batch, heads, count, head_dim = result.shape
+    token_major = result.transpose(1, 2).reshape(batch, count, heads * head_dim)
+    if out is None:
+        return token_major
+    output(out, (batch, query.shape[2], heads * head_dim), query.dtype, query.device)[:, rows].copy_(token_major)
     return out
 
 

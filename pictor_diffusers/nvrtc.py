@@ -1,17 +1,16 @@
 """NVRTC compilation, with or without a GPU: PTX for inspection, cubins to run.
 
 * `compile_ptx`: the compile tests inspect every variant on a CPU-only machine.
-* `cached_module`: the cubin a device loads, for its exact arch (`sm_90a` for
-  wgmma), cached on disk by `cubin_cache`, keyed by the source, the shared
-  header, the options, the arch and the NVRTC version.
+* `cached_module`: the bytes of the cubin a device loads, for its exact arch
+  (`sm_90a` for wgmma), cached on disk by `cubin_cache`, keyed by the source,
+  the shared header, the options, the arch and the NVRTC version, and checked
+  (SHA-256, ELF structure) before they are handed out.
 
 The shared header `kernels/common.cuh` reaches NVRTC in memory, so no include
 path is needed.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from .cubin_cache import cached_binary
 from .registry import Variant
@@ -86,13 +85,34 @@ def _restore_elf_tail(cubin: bytes) -> bytes:
     program_headers_end = field(0x20, 8) + field(0x36, 2) * field(0x38, 2)
     section_headers_end = field(0x28, 8) + field(0x3A, 2) * field(0x3C, 2)
     missing = max(program_headers_end, section_headers_end) - len(cubin)
-    if cubin[:5] != b"\x7fELF\x02" or missing not in (0, 1):
-        raise RuntimeError(f"NVRTC returned a cubin of {len(cubin)} bytes that is not a complete 64-bit ELF")
-    return cubin + b"\0" * missing
+    restored = cubin + b"\0" * missing if missing in (0, 1) else cubin
+    problem = elf_problem(restored)
+    if problem is not None:
+        raise RuntimeError(f"NVRTC returned a cubin that is not a complete 64-bit ELF: {problem}")
+    return restored
 
 
-def _is_cubin(data: bytes) -> bool:
-    return data[:5] == b"\x7fELF\x02"
+def elf_problem(data: bytes) -> str | None:
+    """Why `data` is not a complete little-endian 64-bit ELF (a cubin), or None: the header, the program-
+    and section-header tables and every section with file content must lie inside the bytes."""
+
+    def field(at: int, width: int) -> int:
+        return int.from_bytes(data[at : at + width], "little")
+
+    if len(data) < 64 or data[:6] != b"\x7fELF\x02\x01":
+        return f"{len(data)} bytes that do not start with a little-endian 64-bit ELF header"
+    tables = ((field(0x20, 8), field(0x36, 2), field(0x38, 2)), (field(0x28, 8), field(0x3A, 2), field(0x3C, 2)))
+    for offset, entry_size, count in tables:
+        if offset + entry_size * count > len(data):
+            return f"a header table ends at byte {offset + entry_size * count}, past the file's {len(data)}"
+    section_table, entry_size, count = tables[1]
+    for index in range(count):
+        at = section_table + index * entry_size
+        nobits = field(at + 4, 4) == 8
+        end = field(at + 0x18, 8) + field(at + 0x20, 8)
+        if not nobits and end > len(data):
+            return f"section {index} ends at byte {end}, past the file's {len(data)}"
+    return None
 
 
 def _cache_key(variant: Variant, target: str) -> str:
@@ -102,16 +122,23 @@ def _cache_key(variant: Variant, target: str) -> str:
     return "\0".join(parts)
 
 
-def cached_cubin(variant: Variant, arch: str) -> Path:
-    """Path of `variant`'s cubin for exactly `arch` (e.g. "sm_90a"), compiled on a cache miss."""
+def cached_cubin(variant: Variant, arch: str, rebuild: bool = False) -> bytes:
+    """`variant`'s cubin for exactly `arch` (e.g. "sm_90a"): the checked bytes of the on-disk cache,
+    compiled on a miss (`rebuild`: compiled and replaced whatever the cache holds)."""
     key = _cache_key(variant, arch)
-    return cached_binary(f"{variant.name}-{arch}", key, lambda: compile_cubin(variant, arch), _is_cubin)
+    return cached_binary(
+        f"{variant.name}-{arch}",
+        key,
+        lambda: compile_cubin(variant, arch),
+        lambda data: elf_problem(data) is None,
+        rebuild,
+    )
 
 
-def cached_module(variant: Variant, capability: tuple[int, int]) -> Path:
+def cached_module(variant: Variant, capability: tuple[int, int], rebuild: bool = False) -> bytes:
     """The cubin a device of `capability` loads: for its exact arch, or `sm_90a` for arch-specific rows.
 
     This is what CuPy did for these kernels before the registry (an NVRTC cubin for the device's
     arch), with the same flags (the row's `flags`), so the machine code is the same.
     """
-    return cached_cubin(variant, variant.arch(capability))
+    return cached_cubin(variant, variant.arch(capability), rebuild)

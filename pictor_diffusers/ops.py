@@ -18,7 +18,7 @@ from .launch import attention_cuda
 from .quant_reference import kernel_twin
 from .reference import online_softmax_attention
 from .registry import BY_NAME, eight_bit_kernels
-from .validation import check_attention_inputs, check_kernel_choice, check_key_lens, check_scale
+from .validation import check_attention_inputs, check_flag, check_kernel_choice, check_key_lens, check_scale
 
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EIGHT_BIT = eight_bit_kernels()
@@ -203,7 +203,7 @@ def attention(
             `key_lens[b]` keys (values are clamped to [0, Nk], on the device, with no host sync).
             A key-padding mask becomes this by moving each batch's kept keys to the front
             (`pictor_diffusers.backend_call` does so for diffusers' masks). A batch with no keys
-            gets NaN outputs and LSE -inf, as SDPA gives a row whose keys are all masked.
+            gets outputs of 0 and LSE -inf.
 
     Returns:
         token-major `[B, Nq, H*D]` on the inputs' device:
@@ -224,7 +224,12 @@ def attention(
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
     out_dtype = query.dtype if out_dtype is None else out_dtype
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    else:
+        check_scale(scale)
+        scale = float(scale)
+    check_flag("return_lse", return_lse)
     check_kernel_choice(kernel, query.dtype, out_dtype)
     check_scale(scale)
     if needs_op(query, key, value):

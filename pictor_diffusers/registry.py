@@ -95,6 +95,9 @@ class KernelSpec:
             the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row of
             the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
+        beats_sdpa_on: for the 16-bit family, the compute capabilities on which it was measured at
+            least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA can serve.
+            None (the parity path) means everywhere: SDPA has no f32-accurate fast path.
     """
 
     name: str
@@ -118,6 +121,7 @@ class KernelSpec:
     scalars: tuple[str, ...] = ("heads", "seq_q", "seq_k", "q_pitch", "kv_pitch", "out_pitch", "scale_log2")
     exact_capability: tuple[int, int] | None = None
     arch_suffix: str = ""
+    beats_sdpa_on: tuple[tuple[int, int], ...] | None = None
 
     def writes(self, in_dtype: str) -> tuple[str, ...]:
         """The output dtypes it writes for `in_dtype` inputs."""
@@ -161,6 +165,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=MAP_SCALARS,
+        beats_sdpa_on=((9, 0),),
     ),
     KernelSpec(
         name="fp8",
@@ -192,6 +197,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         prefix="MH_",
         geometry={"BQ": "128", "BK": "64", "THREADS": "128"},
         kinds=("IN_KIND",),
+        beats_sdpa_on=(),
     ),
     KernelSpec(
         name="tf32x3",

@@ -2,7 +2,8 @@
 
 * Kernels are compiled by NVRTC to a cubin for the device's exact arch
   (`nvrtc.cached_module`, one on-disk cache for every kernel), loaded once per
-  process and device by CuPy, and kept as raw `CUfunction` handles.
+  process and device from the checked bytes in memory, and kept as raw
+  `CUfunction` handles.
 * `launch` calls `cuLaunchKernel` (CuPy's binding) with torch's device
   addresses on torch's current stream of the device: zero copy, no host sync,
   capturable in CUDA graphs. No stream object is cached or kept alive.
@@ -105,16 +106,39 @@ def function(variant: Variant, device_index: int) -> int:
 
 
 def _load(variant: Variant, device_index: int) -> tuple[Any, int]:
+    """(the loaded module, keeping it alive; the `CUfunction` handle) of `variant` on the device.
+
+    The module is loaded from the exact bytes the cache checked (`cuModuleLoadData`), never re-opened
+    by path; a binary the driver refuses is rebuilt once and replaced in the cache.
+    """
     cupy = import_cupy()
     load_nvrtc_library()
     capability, _ = device_facts(device_index)
-    path = cached_module(variant, capability)
     with cupy.cuda.Device(device_index):
-        kernel = cupy.RawModule(path=str(path)).get_function(variant.spec.entry)
+        try:
+            module = _module(cupy, cached_module(variant, capability))
+        except cupy.cuda.driver.CUDADriverError:
+            module = _module(cupy, cached_module(variant, capability, rebuild=True))
+        handle = module.get_function(variant.spec.entry).ptr
         shared = variant.spec.shared_bytes(variant.head_dim)
         if shared > 48 * 1024:
-            kernel.max_dynamic_shared_size_bytes = shared
-    return kernel, kernel.kernel.ptr
+            driver = cupy.cuda.driver
+            driver.funcSetAttribute(handle, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    return module, handle
+
+
+def _module(cupy: Any, cubin: bytes) -> Any:
+    """A CuPy `Module` loaded from `cubin`'s bytes in memory."""
+    module = cupy.cuda.function.Module()
+    module.load(cubin)
+    return module
+
+
+_RANGES = {
+    ctypes.c_uint32: (0, 2**32 - 1),
+    ctypes.c_int32: (-(2**31), 2**31 - 1),
+    ctypes.c_uint64: (0, 2**64 - 1),
+}
 
 
 class _ArgSlots:
@@ -122,20 +146,25 @@ class _ArgSlots:
 
     `signature` holds a ctypes type per argument, or None for an argument
     passed by address as-is (a tensor map). `fill` writes the values and returns
-    the address of the `void*[]` array; the launch copies them at once.
+    the address of the `void*[]` array; the launch copies them at once. An
+    integer outside its C type's range raises instead of wrapping.
     """
 
-    __slots__ = ("array", "by_address", "values")
+    __slots__ = ("array", "by_address", "ranges", "values")
 
     def __init__(self, signature: tuple[Any, ...]) -> None:
         self.values = [kind() if kind is not None else None for kind in signature]
         self.array = (ctypes.c_void_p * len(signature))()
         self.by_address = [kind is None for kind in signature]
+        self.ranges = [(i, kind, *_RANGES[kind]) for i, kind in enumerate(signature) if kind in _RANGES]
         for i, value in enumerate(self.values):
             if value is not None:
                 self.array[i] = ctypes.addressof(value)
 
     def fill(self, args: tuple[Any, ...]) -> int:
+        for i, kind, low, high in self.ranges:
+            if not low <= args[i] <= high:
+                raise OverflowError(f"kernel argument {i} = {args[i]} does not fit {kind.__name__} [{low}, {high}]")
         for i, arg in enumerate(args):
             if self.by_address[i]:
                 self.array[i] = arg

@@ -1,8 +1,9 @@
 """The pure choice among the registry's kernels.
 
 `select_kernel` answers "which kernel runs this problem, and why not the
-others" from plain facts (`Problem`: dtypes, head_dim, device capability and
-limits; no GPU, no tensors), so it is tested on CPU for every combination.
+others" (or that torch's SDPA runs a 16-bit call faster here) from plain
+facts (`Problem`: dtypes, head_dim, device capability and limits; no GPU, no
+tensors), so it is tested on CPU for every combination.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class Problem:
 
     `aligned`: q, k and v start on 16-byte boundaries (tensor cores read 16-byte vectors).
     `key_lens`: the call gives per-batch key counts (the kernels' key-count builds run it).
+    `lse`: the call asks for the log-sum-exp (which torch's SDPA does not return).
     """
 
     in_dtype: str
@@ -28,16 +30,23 @@ class Problem:
     shared_limit: int
     aligned: bool = True
     key_lens: bool = False
+    lse: bool = False
+
+
+SDPA = "sdpa"
+"""The `Selection.delegate` that hands a 16-bit call to torch's `scaled_dot_product_attention`."""
 
 
 @dataclass(frozen=True)
 class Selection:
-    """The chosen variant; `upcast`: 16-bit inputs run the f32 kernels as float32;
-    `rejected`: (kernel, reason) for each candidate tried before it."""
+    """The chosen variant, or `delegate` (`SDPA`, variant None) for a call torch's SDPA runs faster;
+    `upcast`: 16-bit inputs run the f32 kernels as float32; `rejected`: (kernel, reason) for each
+    candidate tried before it."""
 
-    variant: Variant
+    variant: Variant | None
     upcast: bool
     rejected: tuple[tuple[str, str], ...]
+    delegate: str | None = None
 
 
 class NoKernelError(ValueError):
@@ -63,16 +72,30 @@ def blocker(spec: KernelSpec, problem: Problem) -> str | None:
     return None
 
 
-def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec, bool]]:
-    """(spec, upcast) in the order tried: the requested kernel, or the family's "auto" order;
-    16-bit "auto" ends with the f32 kernels on upcast inputs (fresh float32 copies, so aligned)."""
+def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec | None, bool]]:
+    """(spec, upcast) in the order tried, None standing for SDPA: the requested kernel, or the family's
+    "auto" order. 16-bit "auto": the kernels measured at least as fast as SDPA on this device, then
+    SDPA itself, then the other 16-bit kernels and the f32 kernels on upcast inputs (fresh float32
+    copies, so aligned) for what SDPA cannot serve (LSE, key counts)."""
     family = family_of(problem.in_dtype)
     if kernel != "auto":
         return [(BY_NAME[kernel], False)]
-    own = [(spec, False) for spec in KERNELS if spec.family == family]
-    if family == "16bit":
-        own += [(spec, True) for spec in KERNELS if spec.family == "fp32"]
-    return own
+    own = [spec for spec in KERNELS if spec.family == family]
+    if family != "16bit":
+        return [(spec, False) for spec in own]
+    tuned = [spec for spec in own if problem.capability in (spec.beats_sdpa_on or ())]
+    rest = [(spec, False) for spec in own if spec not in tuned]
+    upcast = [(spec, True) for spec in KERNELS if spec.family == "fp32"]
+    return [*((spec, False) for spec in tuned), (None, False), *rest, *upcast]
+
+
+def _sdpa_blocker(problem: Problem) -> str | None:
+    """Why torch's SDPA cannot serve `problem` under pictor's contract, or None."""
+    if problem.lse:
+        return "does not return the log-sum-exp"
+    if problem.key_lens:
+        return "gives NaN, not 0, for a batch with no keys"
+    return None
 
 
 def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str, str] | None = None) -> Selection:
@@ -89,6 +112,12 @@ def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str,
     disabled = disabled or {}
     rejected: list[tuple[str, str]] = []
     for spec, upcast in _candidates(problem, kernel):
+        if spec is None:
+            reason = _sdpa_blocker(problem)
+            if reason is None:
+                return Selection(None, False, tuple(rejected), SDPA)
+            rejected.append((SDPA, reason))
+            continue
         in_dtype = "float32" if upcast else problem.in_dtype
         as_run = replace(problem, in_dtype="float32", aligned=True) if upcast else problem
         reason = disabled.get(spec.name) or blocker(spec, as_run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -10,6 +11,10 @@ import torch
 from .registry import KERNEL_CHOICES, MAX_HEAD_DIM, kernels_for
 
 _MAX_GRID_YZ = 65535
+MAX_SEQ = 2**31 - 1
+"""Query and key counts the kernels index in signed 32 bits (TMA coordinates, row counters)."""
+MAX_PLANES = (2**32 - 1) // (3 * 128)
+"""B * H the parity path indexes in 32 bits: `(tensor * planes + plane) * 128` column maxima."""
 
 
 def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -18,7 +23,8 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
     Valid means: three tensors on one CPU or CUDA device, one dtype out of
     float32 / bfloat16 / float16, rank 4, query `[B, H, Nq, D]` and key, value
     `[B, H, Nk, D]` (same B, H and D; Nq and Nk may differ), any strides,
-    B, H, Nq, Nk >= 1, 1 <= D <= 384, and B, H <= 65535 (the kernels' grid limits).
+    B, H, Nq, Nk >= 1, 1 <= D <= 384, B, H <= 65535 (the kernels' grid limits),
+    Nq, Nk <= 2**31 - 1 and B * H <= `MAX_PLANES` (what the kernels index in 32 bits).
     """
     if _plainly_valid(query, key, value):
         return
@@ -46,8 +52,8 @@ def check_attention_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.
         if name == "value" and tensor.shape != key.shape:
             raise ValueError(f"value has shape {tuple(tensor.shape)} but key has {tuple(key.shape)}; they must match")
     _check_extents(*query.shape)
-    if key.shape[2] < 1:
-        raise ValueError(f"key and value need at least one token, got Nk={key.shape[2]}")
+    if not 1 <= key.shape[2] <= MAX_SEQ:
+        raise ValueError(f"key and value need 1 to {MAX_SEQ} tokens, got Nk={key.shape[2]}")
 
 
 def check_key_lens(key_lens: torch.Tensor | None, query: torch.Tensor) -> None:
@@ -77,7 +83,7 @@ def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     if dtype not in _DTYPE_NAMES or key.dtype != dtype or value.dtype != dtype or len(shape) != 4:
         return False
     key_shape = key.shape
-    if len(key_shape) != 4 or value.shape != key_shape or key_shape[2] < 1:
+    if len(key_shape) != 4 or value.shape != key_shape or not 1 <= key_shape[2] <= MAX_SEQ:
         return False
     if key_shape[0] != shape[0] or key_shape[1] != shape[1] or key_shape[3] != shape[3]:
         return False
@@ -85,7 +91,13 @@ def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     if device.type not in ("cpu", "cuda") or key.device != device or value.device != device:
         return False
     batch, heads, seq, head_dim = shape
-    return 1 <= min(batch, heads, seq) and max(batch, heads) <= _MAX_GRID_YZ and 1 <= head_dim <= MAX_HEAD_DIM
+    return (
+        1 <= min(batch, heads, seq)
+        and max(batch, heads) <= _MAX_GRID_YZ
+        and 1 <= head_dim <= MAX_HEAD_DIM
+        and seq <= MAX_SEQ
+        and batch * heads <= MAX_PLANES
+    )
 
 
 def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
@@ -95,6 +107,10 @@ def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
         raise ValueError(f"batch and heads must be <= {_MAX_GRID_YZ}, got B={batch}, H={heads}")
+    if batch * heads > MAX_PLANES:
+        raise ValueError(f"B * H must be <= {MAX_PLANES} (32-bit indexing), got B * H = {batch} * {heads}")
+    if seq > MAX_SEQ:
+        raise ValueError(f"query needs at most {MAX_SEQ} tokens (32-bit indexing), got Nq={seq}")
 
 
 OUT_DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,9 +145,12 @@ def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dty
 _F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
-def check_scale(scale: float) -> None:
-    """Raise ValueError unless the logit scale is finite, positive, and its product
-    with log2(e) (what the kernels multiply logits by) a normal float32."""
+def check_scale(scale: object) -> None:
+    """Raise TypeError unless the logit scale is a real number (not a bool or a string), ValueError unless
+    it is finite, positive, and its product with log2(e) (what the kernels multiply logits by) a normal
+    float32."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {scale!r} of type {type(scale).__name__}")
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     if not _F32_TINY <= scale / math.log(2.0) <= _F32_MAX:
@@ -139,6 +158,12 @@ def check_scale(scale: float) -> None:
 
 
 _PROLOGUE_DTYPES = _DTYPE_NAMES
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise TypeError unless `value` is a bool (so "no" or 0 never passes for a choice)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} of type {type(value).__name__}")
 
 
 def prologue_layout_problem(

@@ -16,28 +16,44 @@ from dataclasses import replace
 import pytest
 
 from pictor_diffusers.registry import BY_NAME, KERNEL_CHOICES, KERNELS, kernels_for, variants
-from pictor_diffusers.selection import NoKernelError, Problem, blocker, select_kernel
+from pictor_diffusers.selection import SDPA, NoKernelError, Problem, blocker, select_kernel
 
 H200 = ((9, 0), 232448)
 A100 = ((8, 0), 166912)
 L4 = ((8, 9), 101376)
 T4 = ((7, 5), 65536)
-DEVICES = {"H200": H200, "A100": A100, "L4": L4, "T4": T4}
+B200 = ((10, 0), 232448)
+RTX5090 = ((12, 0), 101376)
+DEVICES = {"H200": H200, "A100": A100, "L4": L4, "T4": T4, "B200": B200, "RTX5090": RTX5090}
 
 
-def problem(in_dtype: str, head_dim: int, device: tuple, out_dtype: str | None = None, aligned: bool = True) -> Problem:
-    return Problem(in_dtype, out_dtype or in_dtype, head_dim, device[0], device[1], aligned)
+def problem(
+    in_dtype: str, head_dim: int, device: tuple, out_dtype: str | None = None, aligned: bool = True, lse: bool = False
+) -> Problem:
+    return Problem(in_dtype, out_dtype or in_dtype, head_dim, device[0], device[1], aligned, lse=lse)
 
 
+SDPA_PICK = (SDPA, False, None, None)
 CASES = [
-    # (in dtype, out dtype, head_dim, device, aligned) -> (kernel, upcast, built head_dim, written dtype)
+    # (in dtype, out dtype, head_dim, device, aligned[, lse]) -> (kernel, upcast, built head_dim, written dtype)
     (("bfloat16", None, 128, H200, True), ("wgmma", False, 128, "bfloat16")),
     (("float16", None, 128, H200, True), ("wgmma", False, 128, "float16")),
-    (("bfloat16", None, 64, H200, True), ("mma16", False, 64, "bfloat16")),
-    (("bfloat16", None, 128, A100, True), ("mma16", False, 128, "bfloat16")),
-    (("bfloat16", None, 128, H200, False), ("fp16x3", True, 128, "bfloat16")),
-    (("bfloat16", None, 96, A100, True), ("tf32x3", True, 96, "bfloat16")),
-    (("float16", None, 32, T4, True), ("f32", True, 128, "float32")),
+    (("bfloat16", None, 128, H200, True, True), ("wgmma", False, 128, "bfloat16")),
+    # 16-bit calls no kernel was measured faster on go to SDPA, unless they need the LSE
+    (("bfloat16", None, 64, H200, True), SDPA_PICK),
+    (("bfloat16", None, 64, H200, True, True), ("mma16", False, 64, "bfloat16")),
+    (("bfloat16", None, 128, A100, True), SDPA_PICK),
+    (("bfloat16", None, 128, A100, True, True), ("mma16", False, 128, "bfloat16")),
+    (("float16", None, 128, L4, True), SDPA_PICK),
+    (("bfloat16", None, 128, B200, True), SDPA_PICK),
+    (("bfloat16", None, 128, B200, True, True), ("mma16", False, 128, "bfloat16")),
+    (("float16", None, 64, RTX5090, True), SDPA_PICK),
+    (("bfloat16", None, 128, H200, False), SDPA_PICK),
+    (("bfloat16", None, 128, H200, False, True), ("fp16x3", True, 128, "bfloat16")),
+    (("bfloat16", None, 96, A100, True, True), ("tf32x3", True, 96, "bfloat16")),
+    (("float16", None, 32, T4, True, True), ("f32", True, 128, "float32")),
+    # the parity path keeps its kernels everywhere: SDPA has no f32-accurate fast path
+    (("float32", None, 128, B200, True), ("tf32x3", False, 128, "float32")),
     (("float32", None, 128, H200, True), ("fp16x3", False, 128, "float32")),
     (("float32", "bfloat16", 128, H200, True), ("fp16x3", False, 128, "bfloat16")),
     (("float32", None, 96, H200, True), ("tf32x3", False, 96, "float32")),
@@ -51,14 +67,28 @@ CASES = [
 
 @pytest.mark.parametrize(("given", "expected"), CASES, ids=[str(i) for i in range(len(CASES))])
 def test_auto_picks(given: tuple, expected: tuple) -> None:
-    in_dtype, out_dtype, head_dim, device, aligned = given
-    selection = select_kernel(problem(in_dtype, head_dim, device, out_dtype, aligned))
+    in_dtype, out_dtype, head_dim, device, aligned, *lse = given
+    selection = select_kernel(problem(in_dtype, head_dim, device, out_dtype, aligned, *lse))
     variant = selection.variant
-    assert (variant.spec.name, selection.upcast, variant.head_dim, variant.out_dtype) == expected
+    if variant is None:
+        assert (selection.delegate, selection.upcast, None, None) == expected
+    else:
+        assert selection.delegate is None
+        assert (variant.spec.name, selection.upcast, variant.head_dim, variant.out_dtype) == expected
+
+
+def test_key_counts_never_go_to_sdpa() -> None:
+    selection = select_kernel(Problem("bfloat16", "bfloat16", 128, B200[0], B200[1], key_lens=True))
+    assert selection.variant.spec.name == "mma16"
+    assert dict(selection.rejected)[SDPA] == "gives NaN, not 0, for a batch with no keys"
+
+
+def test_a_named_kernel_is_honoured_where_sdpa_is_preferred() -> None:
+    assert select_kernel(problem("bfloat16", 128, B200), "mma16").variant.spec.name == "mma16"
 
 
 def test_rejections_explain_themselves() -> None:
-    selection = select_kernel(problem("bfloat16", 96, T4))
+    selection = select_kernel(problem("bfloat16", 96, T4, lse=True))
     reasons = dict(selection.rejected)
     assert "head_dim in (128,), got 96" in reasons["wgmma"]
     assert "head_dim in (64, 128), got 96" in reasons["mma16"]
@@ -67,9 +97,11 @@ def test_rejections_explain_themselves() -> None:
 
 
 def test_a_disabled_kernel_is_skipped_with_its_reason() -> None:
-    selection = select_kernel(problem("bfloat16", 128, H200), disabled={"wgmma": "cubin failed to load"})
+    disabled = {"wgmma": "cubin failed to load"}
+    assert select_kernel(problem("bfloat16", 128, H200), disabled=disabled).delegate == SDPA
+    selection = select_kernel(problem("bfloat16", 128, H200, lse=True), disabled=disabled)
     assert selection.variant.spec.name == "mma16"
-    assert selection.rejected == (("wgmma", "cubin failed to load"),)
+    assert selection.rejected == (("wgmma", "cubin failed to load"), (SDPA, "does not return the log-sum-exp"))
 
 
 @pytest.mark.parametrize(
@@ -97,16 +129,25 @@ PRODUCT = list(
 )
 
 
+@pytest.mark.parametrize("lse", [False, True], ids=["plain", "lse"])
 @pytest.mark.parametrize(("in_dtype", "head_dim", "device", "aligned"), PRODUCT)
-def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: bool) -> None:
-    """The chosen kernel runs the problem; each earlier candidate cannot; named kernels are honoured."""
-    given = problem(in_dtype, head_dim, DEVICES[device], aligned=aligned)
+def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: bool, lse: bool) -> None:
+    """The chosen kernel runs the problem; each earlier candidate cannot; named kernels are honoured;
+    a 16-bit call goes to SDPA exactly when no kernel measured faster than SDPA on the device runs it."""
+    given = problem(in_dtype, head_dim, DEVICES[device], aligned=aligned, lse=lse)
     try:
         selection = select_kernel(given)
     except NoKernelError as error:
         assert (in_dtype, head_dim, device) in {(d, 384, "T4") for d in ("float32", "bfloat16", "float16")}, error
+        assert in_dtype == "float32" or lse, "a plain 16-bit call SDPA serves was refused"
         assert re.search(r"f32( \(upcast\))?: needs 98304 bytes of shared memory per block", str(error))
         return
+    tuned = [s for s in KERNELS if s.family == "16bit" and given.capability in (s.beats_sdpa_on or ())]
+    runs_tuned = any(blocker(s, given) is None for s in tuned)
+    if selection.delegate is not None:
+        assert in_dtype != "float32" and not lse and not runs_tuned and selection.variant is None
+        return
+    assert in_dtype == "float32" or lse or runs_tuned, "a plain 16-bit call ran an untuned kernel"
     run_as = Problem(**{**given.__dict__, "in_dtype": "float32", "aligned": True}) if selection.upcast else given
     assert blocker(selection.variant.spec, run_as) is None
     assert selection.variant.head_dim >= head_dim
@@ -158,8 +199,9 @@ def test_compile_flags_match_the_pre_registry_builds() -> None:
 
 @pytest.mark.parametrize(("given", "expected"), CASES, ids=[str(i) for i in range(len(CASES))])
 def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, expected: tuple) -> None:
-    in_dtype, out_dtype, head_dim, device, aligned = given
-    plain = select_kernel(problem(in_dtype, head_dim, device, out_dtype, aligned))
-    counted = select_kernel(replace(problem(in_dtype, head_dim, device, out_dtype, aligned), key_lens=True))
+    """With key counts, the kernel the same call with the LSE gets (neither goes to SDPA), in its key-count build."""
+    in_dtype, out_dtype, head_dim, device, aligned, *_ = given
+    plain = select_kernel(problem(in_dtype, head_dim, device, out_dtype, aligned, lse=True))
+    counted = select_kernel(replace(problem(in_dtype, head_dim, device, out_dtype, aligned, lse=True), key_lens=True))
     assert not plain.variant.key_lens and counted.variant.key_lens
     assert replace(counted.variant, key_lens=False) == plain.variant and counted.upcast == plain.upcast
