@@ -212,10 +212,15 @@ def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv(cubin_cache.CACHE_ENV, str(tmp_path / "cache"))
     variant = variants(BY_NAME["mma16"])[0]
     first = nvrtc.cached_cubin(variant, "sm_80")
-    assert first.parent == tmp_path / "cache" and first.read_bytes()[:4] == b"\x7fELF"
+    assert nvrtc.elf_problem(first) is None
+    (path,) = (tmp_path / "cache").iterdir()
+    assert path.read_bytes().startswith(first), "the cache does not hold the cubin it handed out"
     assert nvrtc.cached_cubin(variant, "sm_90") != first, "the arch is not part of the key"
-    first.write_bytes(b"half-written")
-    assert nvrtc.cached_cubin(variant, "sm_80").read_bytes()[:4] == b"\x7fELF", "a corrupt entry was not rebuilt"
+    for cut in (len(first) // 2, len(first)):  # truncated inside the ELF, then only the trailer lost
+        path.write_bytes(first[:cut])
+        assert cut == len(first) or nvrtc.elf_problem(first[:cut]) is not None, "a cut cubin passed the ELF check"
+        assert nvrtc.cached_cubin(variant, "sm_80") == first, f"a cubin cut at byte {cut} was not rebuilt"
+        assert path.read_bytes().startswith(first)
 
 
 def test_sources_hold_the_entries() -> None:
