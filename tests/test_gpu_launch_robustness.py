@@ -42,7 +42,8 @@ def test_first_call_in_a_new_thread(dtype: torch.dtype) -> None:
 
 
 def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failed sm_90a build disables wgmma with a warning; "auto" runs mma16, "wgmma" names the failure."""
+    """A failed sm_90a build disables wgmma with a warning; "auto" runs mma16 for a call that asks for the
+    LSE (SDPA for a plain one), "wgmma" names the failure."""
     query, key, value = (t.to(torch.bfloat16) for t in random_qkv(*SHAPE, seed=4))
     if launch.cannot_run("mma16", query, key, value) is not None:
         pytest.skip("mma16 cannot run here")
@@ -58,9 +59,11 @@ def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: py
     monkeypatch.setattr(launch, "_disabled", {})
     hopper = torch.cuda.get_device_capability() == (9, 0)
     with pytest.warns(RuntimeWarning, match="could not be prepared") if hopper else contextlib.nullcontext():
-        out = attention(query, key, value)
+        out, _ = attention(query, key, value, return_lse=True)
     expected = launch.attention_cuda(query, key, value, 128**-0.5, "mma16", torch.bfloat16)
     assert torch.equal(out, expected)
+    plain = torch.nn.functional.scaled_dot_product_attention(query, key, value)
+    assert torch.equal(attention(query, key, value), plain.transpose(1, 2).reshape(out.shape))
     if hopper:
         monkeypatch.setattr(launch, "_disabled", {})
         with pytest.raises(ValueError, match=r"kernel='wgmma' cannot run here: .*NVRTC failed \(simulated\)"):

@@ -28,6 +28,13 @@ YARDSTICK_FACTOR, YARDSTICK_FLOOR = 2.0, 1e-4
 PRECISION_OF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def kernel_launches(model: torch.nn.Module) -> int:
+    """16-bit kernel launches of one forward: one per attention layer where a kernel measured faster than
+    SDPA runs the head_dim (wgmma at 128 on sm_90); elsewhere "auto" hands the calls to SDPA."""
+    tuned = torch.cuda.get_device_capability() == (9, 0) and model.config.attention_head_dim == 128
+    return model.config.num_layers + model.config.num_single_layers if tuned else 0
+
+
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
@@ -58,8 +65,8 @@ def test_16bit_precision_within_stock_spread(
     model.set_attn_processor(PictorAttn(precision=PRECISION_OF[dtype]))
     calls = count_launches(monkeypatch, "16bit")
     ours = model(**inputs)[0]
-    layers = model.config.num_layers + model.config.num_single_layers
-    assert calls[0] == layers, f"{calls[0]} launches of the 16-bit kernels for {layers} attention layers"
+    expected = kernel_launches(model)
+    assert calls[0] == expected, f"{calls[0]} launches of the 16-bit kernels, expected {expected}"
     assert ours.dtype == dtype and torch.isfinite(ours).all()
     spread, error = rel_l2(stock_math, stock), rel_l2(ours, stock)
     print(f"{dtype} {config} B{batch} fused={fused}: stock math vs default {spread:.2e}, PictorAttn {error:.2e}")
@@ -78,7 +85,7 @@ def test_torch_compile_fullgraph_16bit(monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = transformer_inputs(model, batch=1, latent_hw=(8, 8), text_len=16)
     calls = count_launches(monkeypatch, "16bit")
     eager = model(**inputs)[0]
-    assert calls[0] == model.config.num_layers + model.config.num_single_layers
+    assert calls[0] == kernel_launches(model)
     compiled = torch.compile(model, fullgraph=True)
     traced = compiled(**inputs)[0]
     assert traced.dtype == torch.float32
