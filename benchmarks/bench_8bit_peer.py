@@ -27,7 +27,7 @@ from bench_kernel import environment
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import attention
-from pictor_diffusers.quant_reference import error_metrics, study_inputs
+from pictor_diffusers.testing.quant_study import error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64
 from pictor_diffusers.testing.timing import median_ms
 

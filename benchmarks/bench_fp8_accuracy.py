@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from pictor_diffusers import attention
-from pictor_diffusers.quant_reference import error_metrics, kernel_twin, rel_l2, study_inputs
+from pictor_diffusers.quant_reference import kernel_twin
+from pictor_diffusers.testing.quant_study import error_metrics, study_inputs
+from pictor_diffusers.testing.references import rel_l2
 
 CASES = [("normal", 2, 16896), ("peaky", 2, 16896), ("v_offset", 2, 16896), ("k_offset", 2, 4608)] + [
     (kind, 24, 4608) for kind in ("normal", "peaky", "k_offset", "v_offset")

@@ -17,7 +17,8 @@ from functools import partial
 
 import torch
 
-from pictor_diffusers.quant_reference import bf16_path_attention, error_metrics, int8_fp8_attention, study_inputs
+from pictor_diffusers.quant_reference import int8_fp8_attention
+from pictor_diffusers.testing.quant_study import bf16_path_attention, error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64
 
 COS_TARGET, L1_FACTOR = 0.9995, 3.0

@@ -29,20 +29,18 @@ from pictor_diffusers.quant_reference import (
     KERNEL_RESCALE_SLACK,
     KERNEL_SCHEME,
     QUANT_FLOOR,
-    bf16_path_attention,
-    error_metrics,
     int8_fp8_attention,
     kernel_twin,
     quantize_fp8_blocks,
     quantize_fp8_channels,
     quantize_int8_blocks,
     smooth_k,
-    study_inputs,
     to_e4m3,
     truncate_mantissa,
 )
 from pictor_diffusers.reference import online_softmax_attention
 from pictor_diffusers.sources import read_source
+from pictor_diffusers.testing.quant_study import bf16_path_attention, error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64, rel_l2
 
 COS_TARGET, L1_FACTOR = 0.9995, 3.0
