@@ -5,7 +5,9 @@
     .venv/bin/python examples/generate.py --tiny --compare            # PictorAttn against stock, same seed
     .venv/bin/python examples/generate.py --tiny --compare --precision bf16   # the 16-bit fast path (CUDA)
 
-Images go to outputs/ in the current directory unless --out names a path.
+Images go to outputs/ in the current directory unless --out names a path. An existing
+file is replaced only with --overwrite, and each image is written through a temp file
+beside it, so a symlink at the path is replaced as a link, never followed.
 --model takes a hub id or a local directory holding any FLUX.2 or FLUX.2 [klein]
 pipeline; HF_HUB_OFFLINE=1 is respected. --tiny builds a small random-weight
 pipeline in code (examples/tiny_flux2.py): its pictures are noise, but it runs
@@ -15,6 +17,10 @@ the real denoising loop through PictorAttn.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
+import secrets
 import sys
 import time
 import warnings
@@ -39,11 +45,11 @@ DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 DEFAULT_OUT = Path("outputs") / "flux2_pictor.png"
 SIZE_MULTIPLE = 16
 """FLUX.2 latents are 2x2 patches of the VAE's 8x-downsampled pixels."""
-CPU_NOTE = (
-    "note: these are CPU timings. They swing widely between identical runs (other processes, thread scheduling, "
-    "clock changes), and on the CPU PictorAttn runs its pure-torch reference, not the CUDA kernels: "
-    "compare speed on a GPU."
+CPU_FIRST_LINE = (
+    "On the CPU, PictorAttn runs its pure-torch reference, not its CUDA kernels: "
+    "times here say nothing about its speed on a GPU."
 )
+CPU_NOTE = "note: CPU timings also swing widely between identical runs (other processes, thread scheduling, clocks)."
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -103,7 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         "auto: the model dtype's 16-bit path for bf16/fp16 models, else fp32",
     )
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="image path; --compare writes its images beside it"
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="image path, its extension one Pillow writes; --compare writes <stem>_stock.png and <stem>_diff.png "
+        "beside it. Its folder must exist (outputs/ is made)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing images (a symlink is replaced, not followed)"
     )
     parser.add_argument(
         "--verbose", action="store_true", help="show diffusers/transformers log messages and Python warnings"
@@ -151,6 +164,116 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
 
 
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop with a usage error naming the path if any image of the run could not be written where asked."""
+    for label, path in output_paths(args):
+        problem = out_problem(path, args.overwrite)
+        if problem:
+            parser.error(f"{label} {str(path)!r}: {problem}")
+
+
+def output_paths(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(label, path) of each image the run writes: --out, and with --compare the stock and difference images."""
+    paths = [("--out", args.out)]
+    if args.compare:
+        paths += [(f"--compare's {kind} image", companion(args.out, kind)) for kind in ("stock", "diff")]
+    return paths
+
+
+def companion(out: Path, kind: str) -> Path:
+    """The PNG that --compare writes beside `out`: <stem>_stock.png or <stem>_diff.png."""
+    return out.with_name(f"{out.stem}_{kind}.png")
+
+
+def image_format(path: Path) -> str | None:
+    """The Pillow format that writes an RGB image under `path`'s extension, or None if none does."""
+    name = Image.registered_extensions().get(path.suffix.lower())
+    if name not in Image.SAVE:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated formats warn on every save
+            Image.new("RGB", (1, 1)).save(io.BytesIO(), format=name)
+    except Exception:  # a plugin that cannot write RGB raises what it likes
+        return None
+    return name
+
+
+def writable_extensions() -> str:
+    """The extensions under which Pillow writes an RGB image, for error messages."""
+    return " ".join(sorted(ext for ext in Image.registered_extensions() if image_format(Path(f"image{ext}"))))
+
+
+def out_problem(path: Path, overwrite: bool) -> str | None:
+    """Why an image cannot be written to `path`, or None if it can."""
+    if path.is_dir() and not path.is_symlink():
+        return f"is a directory; name an image file in it, such as {str(path / DEFAULT_OUT.name)!r}"
+    if image_format(path) is None:
+        kind = f"{path.suffix!r} files" if path.suffix else "a name without an extension"
+        return f"Pillow cannot write {kind}; end it in .png or another of: {writable_extensions()}"
+    problem = folder_problem(path.parent)
+    if problem:
+        return problem
+    if path.is_symlink() and not overwrite:
+        return (
+            f"is a symbolic link (to {os.readlink(path)!r}); --overwrite replaces the link itself, "
+            "its target is never written"
+        )
+    if path.exists() and not overwrite:
+        return "exists; pass --overwrite to replace it, or name another file"
+    return None
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, or None; a missing outputs/ is fine where it can be made."""
+    if not folder.exists() and folder == DEFAULT_OUT.parent:
+        folder = Path.cwd()
+    if not folder.is_dir():
+        return f"its folder {str(folder)!r} {'is not a directory' if folder.exists() else 'does not exist'}"
+    try:
+        descriptor, temp = open_temp(folder, "write-check")
+    except OSError as error:
+        return f"cannot write in its folder {str(folder)!r}: {error.strerror}"
+    os.close(descriptor)
+    os.unlink(temp)
+    return None
+
+
+def open_temp(folder: Path, name: str) -> tuple[int, Path]:
+    """A new hidden file in `folder`, opened for writing (never an existing file or a symlink's target)."""
+    temp = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.open(temp, flags, 0o666), temp
+
+
+def save_image(image: Image.Image, path: Path, overwrite: bool) -> None:
+    """Write `image` to a temp file beside `path`, then `os.replace` it onto `path`.
+
+    No partial file is ever at `path`, and a symlink there is replaced as a link, its target never written.
+    """
+    if path.parent == DEFAULT_OUT.parent:
+        path.parent.mkdir(exist_ok=True)
+    descriptor, temp = open_temp(path.parent, path.name)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            image.save(file, format=image_format(path))
+        if not overwrite and os.path.lexists(path):
+            raise FileExistsError("it appeared during the run; pass --overwrite to replace it")
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+
+
+def write(image: Image.Image, path: Path, overwrite: bool) -> None:
+    """`save_image`, or exit with an error naming `path` (a folder removed or filled during the run)."""
+    try:
+        save_image(image, path, overwrite)
+    except OSError as error:
+        sys.exit(f"{Path(sys.argv[0]).name}: error: could not write {str(path)!r}: {error}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parsed, checked arguments with the model-dependent defaults filled in (guidance: once the model is known)."""
     parser = build_parser()
@@ -162,6 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         args.attention_precision = args.precision
     check_args(parser, args)
+    check_outputs(parser, args)
     size = 256 if args.tiny else 1024
     args.height, args.width = args.height or size, args.width or size
     return args
@@ -247,18 +371,29 @@ def step_time(ms: list[float]) -> str:
     return f"{float(np.median(ms[1:])):.1f} ms per step ({timed} after a warm-up step)"
 
 
-def compare_images(ours: Image.Image, stock: Image.Image, out: Path | None, label: str = "PictorAttn vs stock") -> None:
-    """Print max-abs, mean-abs and PSNR (8-bit scale); write the stretched difference image if `out` is given."""
-    a = np.asarray(ours, dtype=np.float64)
-    b = np.asarray(stock, dtype=np.float64)
-    diff = np.abs(a - b)
+def difference_summary(diff: np.ndarray) -> str:
+    """How many 8-bit values differ and by how much: max-abs, mean-abs (of 255) and PSNR."""
+    changed = int(np.count_nonzero(diff))
+    if changed == 0:
+        return f"0 of {diff.size:,} values differ: the images are identical"
     mse = float((diff**2).mean())
-    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
-    print(f"{label}: max-abs {diff.max():.0f}, mean-abs {diff.mean():.3f} (of 255), PSNR {psnr:.1f} dB")
+    psnr = 10 * np.log10(255.0**2 / mse)
+    return (
+        f"{changed:,} of {diff.size:,} values differ ({changed / diff.size:.3%}), by at most {diff.max():.0f} "
+        f"of 255; mean-abs {diff.mean():.2g}, PSNR {psnr:.1f} dB"
+    )
+
+
+def compare_images(
+    ours: Image.Image, stock: Image.Image, out: Path | None, overwrite: bool = False, label: str = "PictorAttn vs stock"
+) -> None:
+    """Print how the two images differ; write the stretched difference image if `out` is given."""
+    diff = np.abs(np.asarray(ours, dtype=np.float64) - np.asarray(stock, dtype=np.float64))
+    print(f"{label}: {difference_summary(diff)}")
     if out is None:
         return
     scale = 255.0 / max(diff.max(), 1.0)
-    Image.fromarray((diff * scale).astype(np.uint8)).save(out)
+    write(Image.fromarray((diff * scale).astype(np.uint8)), out, overwrite)
     if diff.max() == 0:
         print(f"wrote {out}: all black, the images are identical")
     else:
@@ -282,6 +417,9 @@ def stock_processors(transformer: torch.nn.Module) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    on_cpu = not args.device.startswith("cuda")
+    if on_cpu:
+        print(CPU_FIRST_LINE)
     quiet(args.verbose)
     if args.tiny:
         print("Embedded default: a small FLUX.2 [klein] pipeline with RANDOM weights; the picture is noise.")
@@ -297,20 +435,20 @@ def main(argv: list[str] | None = None) -> None:
 
     precision = args.attention_precision
     image, ms = generate(pipe, args, PictorAttn(precision=args.precision), f"pictor {precision}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    image.save(args.out)
+    write(image, args.out, args.overwrite)
     print(f"PictorAttn(precision={args.precision!r}): {step_time(ms)}; wrote {args.out}")
     if args.compare:
-        stock_out = args.out.with_name(args.out.stem + "_stock.png")
+        stock_out = companion(args.out, "stock")
         stock, stock_ms = generate(pipe, args, stock_processors(pipe.transformer), "stock")
-        stock.save(stock_out)
+        write(stock, stock_out, args.overwrite)
         print(f"stock: {step_time(stock_ms)}; wrote {stock_out}")
-        compare_images(image, stock, args.out.with_name(args.out.stem + "_diff.png"))
+        compare_images(image, stock, companion(args.out, "diff"), args.overwrite)
         with sdpa_kernel(SDPBackend.MATH):
             stock_math, _ = generate(pipe, args, stock_processors(pipe.transformer), "stock, SDPA math")
         dtype = str(args.dtype).removeprefix("torch.")
-        compare_images(stock_math, stock, None, f"yardstick ({dtype} model), stock with SDPA's math backend vs default")
-    if not args.device.startswith("cuda"):
+        label = f"yardstick ({dtype} model), stock with SDPA's math backend vs default"
+        compare_images(stock_math, stock, None, label=label)
+    if on_cpu:
         print(CPU_NOTE)
 
 

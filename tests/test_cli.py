@@ -1,12 +1,13 @@
 """examples/generate.py's command line: each input check stops with a message naming the value; --help shows defaults.
+The checks of --out and of --compare's images beside it are issue 30's item 8.
 
-The checks run in-process on `parse_args`, so each test fails if its check is removed.
+The checks run in-process on `parse_args`, so each test fails if its check is removed. Each test runs in an empty
+folder, so the default --out (outputs/flux2_pictor.png) never exists beforehand.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 import types
@@ -14,27 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from generate_script import PRECIOUS, files_in, load_generate, usage_error
 
 pytest.importorskip("transformers", reason="the FLUX.2 pipelines import transformers (extra: examples)")
-
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
 
 
 @pytest.fixture(scope="module")
 def generate() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("generate_example", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_generate()
 
 
-def usage_error(generate: types.ModuleType, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """The one-line error that `parse_args(argv)` stops with (exit status 2, argparse's usage error)."""
-    with pytest.raises(SystemExit) as stopped:
-        generate.parse_args(["--tiny", *argv])
-    assert stopped.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+@pytest.fixture(autouse=True)
+def in_empty_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.mark.parametrize("steps", ["0", "-3"])
@@ -139,3 +132,106 @@ def test_help_gives_every_option_help_text_and_its_default(generate: types.Modul
     assert "(default: 4)" in blocks["--steps"]
     assert "(default: 256 with --tiny, else 1024)" in blocks["--height"]
     assert "(default: outputs/flux2_pictor.png)" in blocks["--out"]
+
+
+# --out (issue 30, item 8): every image path is checked before anything loads.
+
+
+def unwritable_folder(tmp_path: Path) -> Path:
+    """A folder in which no file can be created: a read-only one, or for root (who writes anyway) /sys."""
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o555)
+    for candidate in (folder, Path("/sys")):
+        try:
+            (candidate / ".probe").touch()
+        except OSError:
+            return candidate
+        (candidate / ".probe").unlink()
+    pytest.skip("no folder here refuses new files")
+
+
+@pytest.mark.parametrize(
+    ("out", "refusal"),
+    [
+        ("x.xyz", "Pillow cannot write '.xyz' files"),
+        ("picture", "Pillow cannot write a name without an extension"),
+        ("x.xbm", "Pillow cannot write '.xbm' files"),  # registered, but XBM takes only 1-bit images
+    ],
+)
+def test_an_extension_pillow_cannot_write_is_refused(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], out: str, refusal: str
+) -> None:
+    error = usage_error(generate, capsys, "--out", out)
+    assert f"--out {out!r}: {refusal}; end it in .png or another of:" in error
+    assert ".jpg" in error and ".webp" in error
+
+
+def test_a_directory_is_refused(generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "pictures.png").mkdir()
+    error = usage_error(generate, capsys, "--out", "pictures.png")
+    assert "--out 'pictures.png': is a directory; name an image file in it" in error
+
+
+def test_a_missing_folder_is_refused_and_not_made(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    error = usage_error(generate, capsys, "--out", "typo/x.png")
+    assert "--out 'typo/x.png': its folder 'typo' does not exist" in error
+    assert files_in(tmp_path) == []
+
+
+def test_a_folder_that_is_a_file_is_refused(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "notes").write_bytes(PRECIOUS)
+    error = usage_error(generate, capsys, "--out", "notes/x.png")
+    assert "--out 'notes/x.png': its folder 'notes' is not a directory" in error
+
+
+def test_an_unwritable_folder_is_refused(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = str(unwritable_folder(tmp_path) / "x.png")
+    error = usage_error(generate, capsys, "--out", out)
+    assert f"--out {out!r}: cannot write in its folder" in error
+
+
+def test_an_existing_file_is_refused_unless_overwrite(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "x.png").write_bytes(PRECIOUS)
+    error = usage_error(generate, capsys, "--out", "x.png")
+    assert "--out 'x.png': exists; pass --overwrite to replace it" in error
+    assert generate.parse_args(["--tiny", "--out", "x.png", "--overwrite"]).overwrite
+    assert (tmp_path / "x.png").read_bytes() == PRECIOUS
+
+
+def test_a_symlink_is_refused_unless_overwrite(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "target.txt").write_bytes(PRECIOUS)
+    (tmp_path / "x.png").symlink_to("target.txt")
+    error = usage_error(generate, capsys, "--out", "x.png")
+    assert "--out 'x.png': is a symbolic link (to 'target.txt'); --overwrite replaces the link itself" in error
+
+
+@pytest.mark.parametrize("kind", ["stock", "diff"])
+def test_compare_checks_its_stock_and_diff_images_too(
+    generate: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str
+) -> None:
+    (tmp_path / f"x_{kind}.png").write_bytes(PRECIOUS)
+    generate.parse_args(["--tiny", "--out", "x.png"])  # without --compare only x.png is written
+    error = usage_error(generate, capsys, "--out", "x.png", "--compare")
+    assert f"--compare's {kind} image 'x_{kind}.png': exists; pass --overwrite" in error
+    (tmp_path / f"x_{kind}.png").unlink()
+    (tmp_path / f"x_{kind}.png").mkdir()
+    error = usage_error(generate, capsys, "--out", "x.png", "--compare", "--overwrite")
+    assert f"--compare's {kind} image 'x_{kind}.png': is a directory" in error
+
+
+def test_the_default_outputs_folder_may_be_missing_and_checks_leave_nothing(
+    generate: types.ModuleType, tmp_path: Path
+) -> None:
+    args = generate.parse_args(["--tiny", "--compare"])
+    assert args.out == Path("outputs") / "flux2_pictor.png"
+    assert files_in(tmp_path) == []

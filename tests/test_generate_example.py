@@ -2,38 +2,32 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import subprocess
-import sys
+import re
 import warnings
 from pathlib import Path
 
 import pytest
+from generate_script import load_generate, run_script
 
 pytest.importorskip("transformers", reason="the FLUX.2 pipelines import transformers (extra: examples)")
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "examples" / "generate.py"
 DIFFUSERS_NOISE = ("should be kept in float32", "is ignored for step-wise distilled models")
 
 
-def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
-    )
-
-
 def test_tiny_generation_with_compare_writes_only_to_outputs(tmp_path: Path) -> None:
-    result = _run("--tiny", "--steps", "2", "--height", "128", "--width", "128", "--compare", cwd=tmp_path)
+    result = run_script("--tiny", "--steps", "2", "--height", "128", "--width", "128", "--compare", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "runs its pure-torch reference" in lines[0] and "say nothing about its speed on a GPU" in lines[0]
     assert "RANDOM weights" in result.stdout
-    assert "PSNR" in result.stdout
     assert "after a warm-up step" in result.stdout
-    assert "note: these are CPU timings" in result.stdout
+    assert "CPU timings also swing" in lines[-1]
+    compared = [line for line in lines if line.startswith(("PictorAttn vs stock:", "yardstick"))]
+    assert len(compared) == 2
+    for line in compared:
+        assert re.search(r": [\d,]+ of 49,152 values differ", line), line
+        assert "PSNR" in line or "identical" in line
     assert "stretched" in result.stdout and "full brightness" in result.stdout
     assert [path.name for path in tmp_path.iterdir()] == ["outputs"]
     outputs = tmp_path / "outputs"
@@ -48,7 +42,8 @@ def test_tiny_generation_with_compare_writes_only_to_outputs(tmp_path: Path) -> 
 
 
 def test_verbose_shows_diffusers_logs_and_a_named_out_path_is_used(tmp_path: Path) -> None:
-    result = _run(
+    (tmp_path / "named").mkdir()
+    result = run_script(
         "--tiny", "--steps", "1", "--height", "32", "--width", "32", "--verbose", "--out", "named/x.png", cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
@@ -60,7 +55,7 @@ def test_verbose_shows_diffusers_logs_and_a_named_out_path_is_used(tmp_path: Pat
 
 @pytest.mark.parametrize("model", ["black-forest-labs/FLUX.2-klein-4B", "/nonexistent/flux2-dir"])
 def test_missing_weights_give_a_clear_message(model: str, tmp_path: Path) -> None:
-    result = _run("--model", model, "--device", "cpu", "--out", str(tmp_path / "x.png"))
+    result = run_script("--model", model, "--device", "cpu", "--out", str(tmp_path / "x.png"))
     assert result.returncode != 0
     assert "Could not load FLUX.2 weights" in result.stderr
     assert "--tiny" in result.stderr
@@ -72,9 +67,7 @@ def test_quiet_silences_library_logs_unless_verbose() -> None:
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    spec = importlib.util.spec_from_file_location("generate_example", SCRIPT)
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = load_generate()
     levels = diffusers_logging.get_verbosity(), transformers_logging.get_verbosity()
     with warnings.catch_warnings():
         try:
