@@ -46,6 +46,7 @@
    [1, FA_DMAX] is exact, since only dims below head_dim are touched. */
 
 #include "common.cuh"
+#include "key_lens.cuh"
 
 #if !defined(FA_DMAX) || !defined(FA_BQ) || !defined(FA_BK) || !defined(FA_THREADS)
 #error "flash_attn_f32.cu needs -D FA_DMAX, FA_BQ, FA_BK and FA_THREADS from the host"

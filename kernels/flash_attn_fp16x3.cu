@@ -48,7 +48,11 @@
    Precision: about 2^-22 relative per product term, f32 softmax, IEEE
    accumulation across key tiles; the output rounds once. Needs sm_90a. */
 
-#include "common.cuh"
+#include "fp16_split.cuh"
+#include "key_lens.cuh"
+#include "sm90_pipeline.cuh"
+#include "sm90_wgmma.cuh"
+#include "softmax.cuh"
 
 #if !defined(X3_D) || !defined(X3_OUT_KIND) || !defined(X3_BQ) || !defined(X3_BK) || !defined(X3_STAGES) \
     || !defined(X3_THREADS) || !defined(X3_SMEM_BYTES)

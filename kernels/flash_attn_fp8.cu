@@ -58,7 +58,10 @@
    bits within a 128-key tile and in f32 across tiles; the output rounded once
    to nearest even. Needs sm_90a. */
 
-#include "common.cuh"
+#include "key_lens.cuh"
+#include "sm90_pipeline.cuh"
+#include "sm90_wgmma.cuh"
+#include "softmax.cuh"
 
 #if !defined(F8_D) || !defined(F8_IN_KIND) || !defined(F8_BQ) || !defined(F8_BK) || !defined(F8_STAGES) \
     || !defined(F8_THREADS) || !defined(F8_SMEM_BYTES) || !defined(F8_KEY_LENS)

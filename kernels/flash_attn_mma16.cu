@@ -53,7 +53,9 @@
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
    probabilities. The output is rounded once, to nearest even. */
 
-#include "common.cuh"
+#include "key_lens.cuh"
+#include "sm80_mma.cuh"
+#include "softmax.cuh"
 
 #if !defined(MH_D) || !defined(MH_IN_KIND) || !defined(MH_BQ) || !defined(MH_BK) || !defined(MH_THREADS) \
     || !defined(MH_SMEM_BYTES)

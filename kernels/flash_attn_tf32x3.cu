@@ -50,7 +50,9 @@
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
-#include "common.cuh"
+#include "key_lens.cuh"
+#include "sm80_mma.cuh"
+#include "softmax.cuh"
 
 #if !defined(FT_D) || !defined(FT_OUT_KIND) || !defined(FT_BQ) || !defined(FT_BK) || !defined(FT_THREADS) \
     || !defined(FT_SMEM_BYTES)

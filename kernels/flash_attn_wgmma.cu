@@ -54,7 +54,10 @@
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
 
-#include "common.cuh"
+#include "key_lens.cuh"
+#include "sm90_pipeline.cuh"
+#include "sm90_wgmma.cuh"
+#include "softmax.cuh"
 
 #if !defined(WG_D) || !defined(WG_IN_KIND) || !defined(WG_BQ) || !defined(WG_BK) || !defined(WG_STAGES) \
     || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)

@@ -42,8 +42,6 @@
    Precision: codes round to nearest (int8 ties to even, saturated at +-127;
    E4M3 satfinite); scales in f32. Needs sm_89+ (E4M3 conversion). */
 
-#include "common.cuh"
-
 #if !defined(QZ_D) || !defined(QZ_IN_KIND) || !defined(QZ_THREADS) || !defined(QZ_CHUNKS)
 #error "quantize_qkv8.cu needs -D QZ_D, QZ_IN_KIND, QZ_THREADS and QZ_CHUNKS from the host"
 #endif

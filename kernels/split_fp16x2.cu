@@ -26,7 +26,7 @@
        colmax  : [3][batch * num_heads][128] u32
    Precision: exact scaling by powers of two; hi + lo = x 2^e to 2^-22 relative. */
 
-#include "common.cuh"
+#include "fp16_split.cuh"
 
 #if !defined(SP_D) || !defined(SP_ROWS) || !defined(SP_THREADS)
 #error "split_fp16x2.cu needs -D SP_D, SP_ROWS and SP_THREADS from the host"

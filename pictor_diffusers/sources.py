@@ -1,4 +1,4 @@
-"""Where the CUDA C sources live: `kernels/*.cu` and the shared header `kernels/common.cuh`.
+"""Where the CUDA C sources live: `kernels/*.cu` and the shared headers `kernels/*.cuh`.
 
 The files sit in the repository's top-level `kernels/` folder; the wheel ships
 them as `pictor_diffusers/kernels/`.
@@ -10,8 +10,17 @@ import functools
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
-HEADERS = ("common.cuh",)
-"""Headers every kernel may `#include "..."`; NVRTC gets them in memory."""
+HEADERS = (
+    "common.cuh",
+    "softmax.cuh",
+    "key_lens.cuh",
+    "fp16_split.cuh",
+    "sm80_mma.cuh",
+    "sm90_pipeline.cuh",
+    "sm90_wgmma.cuh",
+)
+"""Headers a kernel may `#include "..."` (`common.cuh`'s opening comment gives each one's role);
+NVRTC gets them all in memory."""
 
 
 @functools.cache

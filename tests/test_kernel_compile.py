@@ -229,4 +229,26 @@ def test_sources_hold_the_entries() -> None:
     for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
         source = read_source(spec.source)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
-        assert '#include "common.cuh"' in source, f"{spec.source} does not use the shared header"
+
+
+def _includes(text: str) -> list[str]:
+    return re.findall(r'^#include "([^"]+)"', text, re.MULTILINE)
+
+
+def test_headers_are_the_ones_nvrtc_gets() -> None:
+    """Every `#include "..."` of a source or header is one of `HEADERS` (what NVRTC gets in memory), every header
+    is included by some source, and each guards itself."""
+    from pictor_diffusers.sources import HEADERS, kernels_dir, read_source
+
+    on_disk = sorted(path.name for path in kernels_dir().glob("*.cuh"))
+    assert sorted(HEADERS) == on_disk, "HEADERS and the .cuh files of kernels/ differ"
+    sources = [spec.source for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE)]
+    reached: set[str] = set()
+    for name in (*sources, *HEADERS):
+        for header in _includes(read_source(name)):
+            assert header in HEADERS, f"{name} includes {header}, which NVRTC does not get"
+            reached.add(header)
+    assert reached == set(HEADERS), f"headers no source includes: {sorted(set(HEADERS) - reached)}"
+    for header in HEADERS:
+        guard = re.search(r"^#ifndef (PICTOR_\w+_CUH)\n#define \1$", read_source(header), re.MULTILINE)
+        assert guard, f"{header} has no include guard"

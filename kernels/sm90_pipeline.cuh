@@ -1,0 +1,109 @@
+/* sm90_pipeline.cuh: the Hopper (sm_90a) warp-specialised pipeline of the wgmma kernels
+   (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu).
+     TMA          pk_tensor_map, pk_copy_box: bulk tensor copies completing on an mbarrier
+     mbarriers    pk_bar_init, pk_bar_expect_bytes, pk_bar_arrive, pk_bar_wait, pk_warp_arrive
+     K/V ring     pk_ring<STAGES>: Q's and each stage's K and V full / free mbarriers
+     Roles        pk_specialise: a producer warpgroup and two consumer warpgroups */
+
+#ifndef PICTOR_SM90_PIPELINE_CUH
+#define PICTOR_SM90_PIPELINE_CUH
+
+#include "common.cuh"
+
+/* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
+struct __align__(64) pk_tensor_map {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void pk_bar_init(unsigned int bar, unsigned int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void pk_bar_expect_bytes(unsigned int bar, unsigned int bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void pk_bar_arrive(unsigned int bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void pk_bar_wait(unsigned int bar, unsigned int parity)
+{
+    unsigned int done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+/* Copy the box at (column, head, row, batch) of a rank-4 map (dims head_dim, heads,
+   rows, batches, strided as the host encoded them: head-major or token-major) into
+   shared memory at dst, completing on `bar` (which must expect the box's bytes). */
+__device__ __forceinline__ void pk_copy_box(unsigned int dst, const pk_tensor_map* map, int column, int head, int row,
+                                            int batch, unsigned int bar)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4, %5}], [%6];"
+        :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(head), "r"(row), "r"(batch), "r"(bar)
+        : "memory");
+}
+
+/* One arrival on `bar` for the calling warp (lane 0 arrives). */
+__device__ __forceinline__ void pk_warp_arrive(unsigned int bar)
+{
+    if ((threadIdx.x & 31u) == 0) pk_bar_arrive(bar);
+}
+
+/* The warp-specialised kernels' mbarriers at `bars`, 8 bytes each: q_full, then k_full[STAGES],
+   v_full[STAGES] (one arrival each: the producer's expect-bytes), k_free[STAGES], v_free[STAGES] (one
+   arrival per consumer warp). Each kernel's shared-memory layout derives from it and sets `bars`;
+   init: thread 0 initialises them, then the whole block synchronises. */
+template <int STAGES>
+struct pk_ring {
+    unsigned int bars;
+    __device__ unsigned int q_full() const { return bars; }
+    __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
+    __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + STAGES + s); }
+    __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * STAGES + s); }
+    __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * STAGES + s); }
+
+    template <int CONSUMER_WARPS>
+    __device__ void init() const
+    {
+        if (threadIdx.x == 0) {
+            pk_bar_init(q_full(), 1);
+            #pragma unroll
+            for (int s = 0; s < STAGES; s++) {
+                pk_bar_init(k_full(s), 1);
+                pk_bar_init(v_full(s), 1);
+                pk_bar_init(k_free(s), CONSUMER_WARPS);
+                pk_bar_init(v_free(s), CONSUMER_WARPS);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+    }
+};
+
+/* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to 24) and its
+   thread 0 runs `produce` (the TMA copies); the consumer warpgroups take them (240) and run `consume`. */
+template <typename Produce, typename Consume>
+__device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
+{
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        if (threadIdx.x == 0) produce();
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        consume();
+    }
+}
+
+#endif

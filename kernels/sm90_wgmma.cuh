@@ -1,0 +1,71 @@
+/* sm90_wgmma.cuh: Hopper (sm_90a) warpgroup matrix products for the wgmma kernels
+   (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu).
+     Descriptors  pk_wgmma_desc (128-byte swizzle), pk_desc_advance
+     Ordering     pk_wgmma_fence, pk_wgmma_commit, pk_wgmma_wait<N>, pk_pin<N>
+     Products     pk_wgmma_n128_rs<KIND> */
+
+#ifndef PICTOR_SM90_WGMMA_CUH
+#define PICTOR_SM90_WGMMA_CUH
+
+/* Shared-memory matrix descriptor, 128-byte swizzle; lead and stride in bytes. */
+__device__ __forceinline__ unsigned long long pk_wgmma_desc(unsigned int addr, unsigned int lead, unsigned int stride)
+{
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lead >> 4) << 16) |
+           ((unsigned long long)(stride >> 4) << 32) | (1ull << 62);
+}
+
+/* The same descriptor `bytes` further on (a multiple of 16; the address field is addr >> 4 and the smem
+   window is < 2^18 bytes, so the add cannot carry out of it): one add instead of a descriptor rebuilt. */
+__device__ __forceinline__ unsigned long long pk_desc_advance(unsigned long long desc, unsigned int bytes)
+{
+    return desc + (bytes >> 4);
+}
+
+__device__ __forceinline__ void pk_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void pk_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void pk_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+
+/* acc[0..63] (+)= A B for one warpgroup, m64n128k16 with f32 accumulators:
+   A (64 x 16) from registers in the wgmma A-fragment layout, B (16 x 128) from
+   shared memory, MN-major (transposed); KIND 1 bfloat16, 2 float16. */
+#define PK_ACC64                                                                                  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define PK_F8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), \
+                    "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
+#define PK_F64(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24), \
+                  PK_F8(a, 32), PK_F8(a, 40), PK_F8(a, 48), PK_F8(a, 56)
+
+template <int KIND>
+__device__ __forceinline__ void pk_wgmma_n128_rs(float* acc, const unsigned int* a, unsigned long long b,
+                                                 int accumulate)
+{
+    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n128_rs: KIND 1 (bfloat16) or 2 (float16)");
+    if constexpr (KIND == 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PK_ACC64
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PK_ACC64
+            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    }
+}
+
+/* Pin N accumulators at this point of the program: the compiler must not move
+   their uses above a wgmma wait, nor their definitions below a wgmma issue. */
+template <int N>
+__device__ __forceinline__ void pk_pin(float* acc)
+{
+    #pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i]) :: "memory");
+}
+
+#endif
