@@ -55,9 +55,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .backend_call import context_parallel_template, make_backend, parameters, warn_once
-from .registry import eight_bit_kernels
-
-EIGHT_BIT_KERNEL = eight_bit_kernels()[0]
+from .precision import BACKEND_PRECISIONS, PRECISIONS
 
 
 class Backend(NamedTuple):
@@ -68,12 +66,11 @@ class Backend(NamedTuple):
 
 
 BACKENDS: dict[str, Backend] = {
-    "pictor": Backend(torch.float32),
-    "pictor_bf16": Backend(torch.bfloat16),
-    "pictor_fp16": Backend(torch.float16),
-    "pictor_fp8": Backend(torch.bfloat16, EIGHT_BIT_KERNEL),
+    name: Backend(PRECISIONS[precision].compute, PRECISIONS[precision].kernel)
+    for name, precision in BACKEND_PRECISIONS.items()
 }
-"""Backend name -> its `Backend` (`PictorAttn` precision "fp32", "bf16", "fp16", "fp8")."""
+"""Backend name -> its `Backend`, read from `precision.PRECISIONS` (`PictorAttn` precision "fp32", "bf16",
+"fp16", "fp8")."""
 
 DISPATCH_MODULE = "diffusers.models.attention_dispatch"
 _NATIVE_ARGS = {"query", "key", "value", "attn_mask"}

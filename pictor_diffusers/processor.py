@@ -2,38 +2,15 @@
 
     transformer.set_attn_processor(PictorAttn())
 
-serves both module types of `Flux2Transformer2DModel`:
-
-* `Flux2Attention` (double-stream blocks): separate or fused
-  (`fuse_qkv_projections()`) Q/K/V projections for image and text tokens;
-* `Flux2ParallelSelfAttention` (single-stream blocks): QKV fused with the MLP
-  input projection, attention and MLP outputs projected together;
-
-and `FluxAttention`, every attention of FLUX.1's `FluxTransformer2DModel`
-(double-stream, and attention-only `pre_only` single-stream blocks; see
-`pictor_diffusers.flux1`, which matches stock `FluxAttnProcessor`).
-
-The math is that of diffusers' stock `Flux2AttnProcessor` /
-`Flux2ParallelSelfAttnProcessor`: projections, QK RMSNorm, [text, image] token
-order, RoPE, attention, cast back to the model dtype, output projections. On
-CUDA the part after the projections is two launches, the fused prologue and
-the attention kernel, which writes its output in the model dtype; on CPU the
-same algorithms run in torch. `precision` picks the contract:
-
-* "fp32" (default, parity): norms, RoPE and attention in float32 whatever the
-  model dtype; attention matches float64 to about 1e-6.
-* "bf16" / "fp16" (speed): norms and RoPE in float32, q/k/v rounded once to the
-  16-bit dtype, attention on 16-bit tensor cores with f32 accumulation and f32
-  softmax (wgmma on Hopper); as accurate as SDPA's 16-bit kernels.
-* "fp8" (8-bit speed, lossy): norms and RoPE in float32, q/k/v rounded to
-  bf16, then quantised on the GPU (int8 q and smoothed k with per-block
-  scales, E4M3 v per channel) for int8 Q.K and FP8 P.V on Hopper; see the
-  README's precision contract for its measured error.
-* "auto": the 16-bit path in the model's dtype for bf16/fp16 models, "fp32"
-  for fp32 models.
-
-q and k are bounded by the RMSNorm, v is not: "fp16" on a bf16 or fp32 model
-turns values beyond fp16's 65504 into inf. "auto" never narrows the range.
+The module types it serves are those with an adapter (`pictor_diffusers.adapters`): FLUX.2's
+`Flux2Attention` (double-stream) and `Flux2ParallelSelfAttention` (single-stream), FLUX.1's
+`FluxAttention`. The adapter binds the call and runs the module's projections and output projections
+around `PictorAttn._attend`, with the math of diffusers' stock processors: projections, QK RMSNorm,
+[text, image] token order, RoPE, attention, cast back to the model dtype, output projections. On CUDA
+the part after the projections is two launches, the fused prologue and the attention kernel, which
+writes its output in the model dtype; on CPU the same algorithms run in torch. `precision` picks the
+contract ("fp32" parity, "bf16" / "fp16" speed, "fp8" 8-bit speed, "auto"): see
+`pictor_diffusers.precision`.
 """
 
 from __future__ import annotations
@@ -42,49 +19,14 @@ from functools import partial
 from typing import Any
 
 import torch
-from diffusers.models.transformers.transformer_flux import FluxAttention
-from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
-from .flux1 import flux1_attention
-from .kv_cache import KvRequest, kv_attention, kv_gap, kv_request
+from .adapters import KvArgs, adapter_for
+from .kv_cache import KvRequest, kv_attention, kv_gap
 from .ops import attention
 from .parallel import check_local_rope, context_parallel, context_parallel_attention
-from .projections import joint_segments
+from .precision import compute_dtype, resolve_kernel
 from .prologue import Rope, Segment, pack_head_major
-from .registry import eight_bit_kernels, kernels_for
 from .validation import OUT_DTYPE_CHOICES
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "auto": None}
-_DOUBLE_STREAM_ARGS = ("encoder_hidden_states", "attention_mask", "image_rotary_emb")
-_SINGLE_STREAM_ARGS = ("attention_mask", "image_rotary_emb")
-
-
-def _bind(args: tuple[Any, ...], names: tuple[str, ...], given: dict[str, Any]) -> dict[str, Any]:
-    """Merge positional `args` (in `names` order) with keyword arguments."""
-    if len(args) > len(names):
-        raise TypeError(f"PictorAttn got {len(args)} positional arguments after hidden_states; expected {names}")
-    bound = dict(zip(names, args, strict=False))
-    for name in names[len(args) :]:
-        bound[name] = given.get(name)
-    return bound
-
-
-def _reject_mask(attention_mask: torch.Tensor | None) -> None:
-    if attention_mask is not None:
-        raise ValueError(
-            "PictorAttn computes unmasked attention, as FLUX.2 uses it; got an attention_mask "
-            f"of shape {tuple(attention_mask.shape)}"
-        )
-
-
-def _check_precision(precision: str, kernel: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    allowed = {"fp32": kernels_for("float32"), "auto": ("auto",), "fp8": ("auto", *eight_bit_kernels())}.get(
-        precision, kernels_for("bfloat16", lossy=False)
-    )
-    if kernel not in allowed:
-        raise ValueError(f"kernel={kernel!r} does not serve precision={precision!r}; choose one of {allowed}")
 
 
 class PictorAttn:
@@ -98,11 +40,11 @@ class PictorAttn:
             (wgmma on Hopper, mma.sync elsewhere), "wgmma" or "mma16". For
             "fp8": "auto" or "fp8" (the same kernel). For "auto": "auto" only.
         precision: "fp32" (parity, default), "bf16", "fp16", "fp8" or "auto"
-            (the model's 16-bit dtype where it has one); see the module docstring.
+            (the model's 16-bit dtype where it has one); see `pictor_diffusers.precision`.
 
     Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
-    `FluxAttention`, and FLUX.2-klein's reference-image KV cache
-    (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.kv_cache`);
+    `FluxAttention` (and any type with an adapter, `pictor_diffusers.adapters`), and FLUX.2-klein's
+    reference-image KV cache (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.kv_cache`);
     anything else, an attention mask, or an unknown keyword raises an error
     that names it. Under diffusers' context parallelism
     (`enable_parallelism`: Ulysses, ring, or unified ring x Ulysses) it attends
@@ -116,16 +58,8 @@ class PictorAttn:
     _parallel_config = None
 
     def __init__(self, kernel: str = "auto", precision: str = "fp32") -> None:
-        _check_precision(precision, kernel)
-        self.kernel = eight_bit_kernels()[0] if precision == "fp8" else kernel
+        self.kernel = resolve_kernel(precision, kernel)
         self.precision = precision
-
-    def _compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The dtype q, k, v are packed in: float32, or the 16-bit dtype of the fast path."""
-        chosen = PRECISIONS[self.precision]
-        if chosen is not None:
-            return chosen
-        return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.float32
 
     def __call__(
         self,
@@ -141,6 +75,11 @@ class PictorAttn:
         num_txt_tokens: int = 0,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`attn`'s attention on `hidden_states` `[B, N, C]`; returns what its stock processor returns.
+
+        The arguments after hidden_states come in the order of `attn`'s adapter (`Adapter.args`).
+        diffusers passes only the keywords this signature names.
+        """
         if kwargs:
             raise TypeError(f"PictorAttn does not understand the attention kwargs {sorted(kwargs)}")
         parallel = context_parallel(self._parallel_config)  # an unset config fails here, before any collective
@@ -148,28 +87,14 @@ class PictorAttn:
             raise NotImplementedError(
                 f"PictorAttn does not serve kv_cache_mode={kv_cache_mode!r} under context parallelism"
             )
+        adapter = adapter_for(attn)
         given = {
             "encoder_hidden_states": encoder_hidden_states,
             "attention_mask": attention_mask,
             "image_rotary_emb": image_rotary_emb,
         }
-        if isinstance(attn, Flux2ParallelSelfAttention):
-            if encoder_hidden_states is not None:
-                raise TypeError("Flux2ParallelSelfAttention takes no encoder_hidden_states")
-            kv = kv_request(kv_cache_mode, kv_cache, num_txt_tokens, num_ref_tokens)
-            return self._single_stream(attn, hidden_states, kv, **_bind(args, _SINGLE_STREAM_ARGS, given))
-        if isinstance(attn, Flux2Attention):
-            bound = _bind(args, _DOUBLE_STREAM_ARGS, given)
-            text = bound["encoder_hidden_states"]
-            kv = kv_request(kv_cache_mode, kv_cache, 0 if text is None else text.shape[1], num_ref_tokens)
-            return self._double_stream(attn, hidden_states, kv, **bound)
-        if kv_cache_mode is not None:
-            raise TypeError(f"kv_cache_mode is a FLUX.2 mode; {type(attn).__name__} does not take it")
-        if isinstance(attn, FluxAttention):
-            return flux1_attention(self._attend, attn, hidden_states, **_bind(args, _DOUBLE_STREAM_ARGS, given))
-        raise TypeError(
-            f"PictorAttn serves Flux2Attention, Flux2ParallelSelfAttention and FluxAttention, not {type(attn).__name__}"
-        )
+        kv_args = KvArgs(kv_cache, kv_cache_mode, num_ref_tokens, num_txt_tokens)
+        return adapter.forward(attn, adapter.bind(attn, hidden_states, args, given, kv_args), self._attend)
 
     def _attend(
         self, segments: list[Segment], head_dim: int, rope: Rope | None, kv: KvRequest | None = None
@@ -182,7 +107,7 @@ class PictorAttn:
         (`kv_cache.py`).
         """
         dtype = segments[-1].query.dtype
-        compute = self._compute_dtype(dtype)
+        compute = compute_dtype(self.precision, dtype)
         groups = context_parallel(self._parallel_config)
         if groups is not None:
             check_local_rope(rope, sum(segment.query.shape[1] for segment in segments))
@@ -195,48 +120,3 @@ class PictorAttn:
         run = partial(attention, out_dtype=out_dtype, kernel=self.kernel)
         run_lse = partial(attention, out_dtype=compute, kernel=self.kernel, return_lse=True)
         return context_parallel_attention(query, key, value, groups, run, run_lse).to(dtype)
-
-    def _double_stream(
-        self,
-        attn: Flux2Attention,
-        hidden_states: torch.Tensor,
-        kv: KvRequest | None,
-        encoder_hidden_states: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        image_rotary_emb: Rope | None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        _reject_mask(attention_mask)
-        segments = joint_segments(attn, hidden_states, encoder_hidden_states)
-
-        hidden_states = self._attend(segments, attn.head_dim, image_rotary_emb, kv)
-
-        if encoder_hidden_states is not None:
-            text_len = encoder_hidden_states.shape[1]
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [text_len, hidden_states.shape[1] - text_len], dim=1
-            )
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if encoder_hidden_states is not None:
-            return hidden_states, encoder_hidden_states
-        return hidden_states
-
-    def _single_stream(
-        self,
-        attn: Flux2ParallelSelfAttention,
-        hidden_states: torch.Tensor,
-        kv: KvRequest | None,
-        attention_mask: torch.Tensor | None,
-        image_rotary_emb: Rope | None,
-    ) -> torch.Tensor:
-        _reject_mask(attention_mask)
-        projected = attn.to_qkv_mlp_proj(hidden_states)
-        qkv_width = 3 * attn.inner_dim
-        mlp_width = attn.mlp_hidden_dim * attn.mlp_mult_factor
-        local_qkv = projected.shape[-1] * qkv_width // (qkv_width + mlp_width)
-        qkv, mlp_hidden_states = projected.split([local_qkv, projected.shape[-1] - local_qkv], dim=-1)
-        segment = Segment(*qkv.chunk(3, dim=-1), attn.norm_q, attn.norm_k)
-
-        attn_output = self._attend([segment], attn.head_dim, image_rotary_emb, kv)
-        mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
-        return attn.to_out(torch.cat([attn_output, mlp_hidden_states], dim=-1))
