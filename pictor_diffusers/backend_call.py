@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .custom_ops import no_backward
 from .launch import resolve
 from .ops import attention
 from .registry import BY_NAME, MAX_HEAD_DIM
@@ -199,10 +200,6 @@ def _forward_op(compute: torch.dtype, kernel: str) -> Callable[..., Output]:
     return forward_op
 
 
-def _no_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any) -> None:
-    raise NotImplementedError("pictor-diffusers kernels are inference-only: attention has no backward")
-
-
 def context_parallel_template(dispatch: ModuleType) -> Callable[..., Output] | None:
     """diffusers' `_templated_context_parallel_attention`, if this version has it with the keywords pictor
     passes; None otherwise (then the backends are registered without context parallelism)."""
@@ -248,7 +245,7 @@ def make_backend(
                 return template(
                     *call,
                     forward_op=forward_ops[chosen],
-                    backward_op=_no_backward_op,
+                    backward_op=no_backward,
                     _parallel_config=_parallel_config,
                 )
             if _profiling():

@@ -18,14 +18,13 @@ from typing import Any
 import torch
 
 from . import runtime, tensor_maps
+from .dtypes import DTYPE_NAMES, DTYPES
 from .geometry import Geometry, Window, full_window
 from .quantized import quantized_operands
 from .registry import KernelSpec, Variant, prologue_variant, quantize_variant, split_variant
 from .selection import NoKernelError, Problem, Selection, select_kernel
 from .validation import PrologueLayout
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 _SCALAR_TYPES = {

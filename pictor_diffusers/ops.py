@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .custom_ops import inference_op, needs_op
+from .dtypes import DTYPE_NAMES, DTYPES
 from .geometry import Window
 from .launch import attention_cuda
 from .quant_reference import kernel_twin
@@ -20,7 +22,6 @@ from .reference import online_softmax_attention
 from .registry import BY_NAME, eight_bit_kernels
 from .validation import check_attention_inputs, check_flag, check_kernel_choice, check_key_lens, check_scale
 
-OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EIGHT_BIT = eight_bit_kernels()
 
 
@@ -82,32 +83,18 @@ def _validated(
     value: torch.Tensor,
     scale: float,
     kernel: str,
-    out_dtype: torch.dtype,
+    out_dtype: str,
     key_lens: torch.Tensor | None,
 ) -> None:
+    """The custom ops' own checks (they are public): the same as `attention`'s, with the dtype by name."""
+    if out_dtype not in DTYPES:
+        raise ValueError(f"out_dtype must be one of {tuple(DTYPES)}, got {out_dtype!r}")
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
-    check_kernel_choice(kernel, query.dtype, out_dtype)
+    check_kernel_choice(kernel, query.dtype, DTYPES[out_dtype])
     check_scale(scale)
 
 
-@torch.library.custom_op("pictor::attention", mutates_args=())
-def _attention_op(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    kernel: str,
-    out_dtype: str,
-    key_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {tuple(OUT_DTYPES)}, got {out_dtype!r}")
-    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
-    return _attention_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
-
-
-@_attention_op.register_fake
 def _attention_op_fake(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -118,11 +105,11 @@ def _attention_op_fake(
     key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, heads, seq, head_dim = query.shape
-    return query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
+    return query.new_empty((batch, seq, heads * head_dim), dtype=DTYPES[out_dtype])
 
 
-@torch.library.custom_op("pictor::attention_lse", mutates_args=())
-def _attention_lse_op(
+@inference_op("attention", _attention_op_fake, "attention")
+def _attention_op(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -130,14 +117,11 @@ def _attention_lse_op(
     kernel: str,
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {tuple(OUT_DTYPES)}, got {out_dtype!r}")
-    _validated(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
-    return _attention_lse_impl(query, key, value, scale, kernel, OUT_DTYPES[out_dtype], key_lens)
+) -> torch.Tensor:
+    _validated(query, key, value, scale, kernel, out_dtype, key_lens)
+    return _attention_impl(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens)
 
 
-@_attention_lse_op.register_fake
 def _attention_lse_op_fake(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -147,24 +131,24 @@ def _attention_lse_op_fake(
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, heads, seq, head_dim = query.shape
-    out = query.new_empty((batch, seq, heads * head_dim), dtype=OUT_DTYPES[out_dtype])
-    return out, query.new_empty((batch, seq, heads), dtype=torch.float32)
+    batch, heads, seq, _ = query.shape
+    return _attention_op_fake(query, key, value, scale, kernel, out_dtype), query.new_empty(
+        (batch, seq, heads), dtype=torch.float32
+    )
 
 
-def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
-    raise NotImplementedError("pictor-diffusers kernels are inference-only: attention has no backward")
-
-
-_attention_op.register_autograd(_no_backward)
-_attention_lse_op.register_autograd(_no_backward)
-
-
-def needs_op(*tensors: torch.Tensor) -> bool:
-    """Whether a call must go through the custom op: while compiling, or when autograd records it."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+@inference_op("attention_lse", _attention_lse_op_fake, "attention")
+def _attention_lse_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    kernel: str,
+    out_dtype: str,
+    key_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _validated(query, key, value, scale, kernel, out_dtype, key_lens)
+    return _attention_lse_impl(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens)
 
 
 def attention(
@@ -233,7 +217,7 @@ def attention(
     check_kernel_choice(kernel, query.dtype, out_dtype)
     check_scale(scale)
     if needs_op(query, key, value):
-        name = str(out_dtype).removeprefix("torch.")
+        name = DTYPE_NAMES[out_dtype]
         op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
         return op(query, key, value, scale, kernel, name, key_lens)
     if return_lse:

@@ -16,12 +16,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .custom_ops import inference_op, needs_op
+from .dtypes import DTYPE_NAMES, DTYPES
 from .launch import qkv_prologue_cuda
-from .ops import needs_op
 from .validation import prologue_layout
 
 Rope = tuple[torch.Tensor, torch.Tensor]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Segment(NamedTuple):
@@ -130,20 +130,6 @@ def _prologue_impl(
     return query, _open_gap(key, gap_at, kv_gap), _open_gap(value, gap_at, kv_gap)
 
 
-@torch.library.custom_op("pictor::qkv_prologue", mutates_args=())
-def _prologue_op(
-    projections: list[torch.Tensor],
-    weights: list[torch.Tensor],
-    rope: list[torch.Tensor],
-    eps: list[float],
-    out_dtype: str = "float32",
-    gap_at: int = 0,
-    kv_gap: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _prologue_impl(projections, weights, rope, eps, _DTYPES[out_dtype], gap_at, kv_gap)
-
-
-@_prologue_op.register_fake
 def _prologue_op_fake(
     projections: list[torch.Tensor],
     weights: list[torch.Tensor],
@@ -157,14 +143,20 @@ def _prologue_op_fake(
     seq = sum(p.shape[1] for p in projections[::3])
     shape = (image.shape[0], image.shape[-1] // head_dim, seq, head_dim)
     kv_shape = (*shape[:2], seq + kv_gap, head_dim)
-    return tuple(image.new_empty(s, dtype=_DTYPES[out_dtype]) for s in (shape, kv_shape, kv_shape))
+    return tuple(image.new_empty(s, dtype=DTYPES[out_dtype]) for s in (shape, kv_shape, kv_shape))
 
 
-def _no_backward(ctx: object, *grads: torch.Tensor) -> None:
-    raise NotImplementedError("pictor-diffusers kernels are inference-only: the prologue has no backward")
-
-
-_prologue_op.register_autograd(_no_backward)
+@inference_op("qkv_prologue", _prologue_op_fake, "the prologue")
+def _prologue_op(
+    projections: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    rope: list[torch.Tensor],
+    eps: list[float],
+    out_dtype: str = "float32",
+    gap_at: int = 0,
+    kv_gap: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _prologue_impl(projections, weights, rope, eps, DTYPES[out_dtype], gap_at, kv_gap)
 
 
 def pack_head_major(
@@ -190,7 +182,7 @@ def pack_head_major(
         On CUDA one launch of the fused prologue kernel where the layout allows it (in eager
         mode without a gap, into one `[3, B, H, N, D]` allocation).
     """
-    if dtype not in _DTYPES.values():
+    if dtype not in DTYPE_NAMES:
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
     image = segments[-1]
     norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
@@ -199,6 +191,6 @@ def pack_head_major(
     projections = [t for segment in segments for t in segment[:3]]
     weights, eps = [w for w, _ in params], [e for _, e in params]
     if needs_op(*projections):
-        name = str(dtype).removeprefix("torch.")
+        name = DTYPE_NAMES[dtype]
         return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, name, *kv_gap)
     return _prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap, eager=True)

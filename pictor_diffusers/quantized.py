@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import runtime, tensor_maps
+from .dtypes import DTYPE_NAMES
 from .geometry import Geometry
 from .registry import QUANTIZE, quantize_variant
 
@@ -29,7 +30,6 @@ CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
 _ALIGN = 256
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 _SIGNATURE = (_U64,) * 12 + (_U32,) * 5 + (_F32, _U32)
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 128) -> dict[str, tuple[int, int]]:
@@ -62,7 +62,7 @@ def quantize(
     last_offset, last_size = layout["partial"]
     workspace = torch.empty(last_offset + last_size, dtype=torch.uint8, device=torch.device("cuda", device_index))
     at = {name: workspace.data_ptr() + offset for name, (offset, _) in layout.items()}
-    variant = quantize_variant(g.head_dim, _DTYPE_NAMES[g.dtype])
+    variant = quantize_variant(g.head_dim, DTYPE_NAMES[g.dtype])
     function = runtime.function(variant, device_index)
     outputs = tuple(at[name] for name in ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "q_shift", "partial"))
     scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.heads, g.scale_log2)

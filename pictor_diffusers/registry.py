@@ -18,9 +18,8 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-KINDS = {"float32": 0, "bfloat16": 1, "float16": 2}
-"""dtype name -> the kind number the kernels' `*_KIND` defines use."""
-HALF_DTYPES = ("bfloat16", "float16")
+from .dtypes import HALF_DTYPES, KINDS
+
 MAX_HEAD_DIM = 384
 F32_BUILD_HEAD_DIMS = (128, 256, 384)
 """The scalar kernel is built for the smallest of these >= head_dim (its register arrays)."""

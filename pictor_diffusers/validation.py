@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from .dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 from .registry import KERNEL_CHOICES, MAX_HEAD_DIM, kernels_for
 
 _MAX_GRID_YZ = 65535
@@ -80,7 +81,7 @@ def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
         return False
     dtype, shape = query.dtype, query.shape
-    if dtype not in _DTYPE_NAMES or key.dtype != dtype or value.dtype != dtype or len(shape) != 4:
+    if dtype not in DTYPE_NAMES or key.dtype != dtype or value.dtype != dtype or len(shape) != 4:
         return False
     key_shape = key.shape
     if len(key_shape) != 4 or value.shape != key_shape or not 1 <= key_shape[2] <= MAX_SEQ:
@@ -113,11 +114,10 @@ def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
         raise ValueError(f"query needs at most {MAX_SEQ} tokens (32-bit indexing), got Nq={seq}")
 
 
-OUT_DTYPE_CHOICES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+OUT_DTYPE_CHOICES = COMPUTE_DTYPES
 _VALID_CHOICES = {
     (kernel, in_dtype, out_dtype)
-    for in_dtype, name in _DTYPE_NAMES.items()
+    for in_dtype, name in DTYPE_NAMES.items()
     for kernel in kernels_for(name)
     for out_dtype in (OUT_DTYPE_CHOICES if in_dtype == torch.float32 else (in_dtype,))
 }
@@ -135,7 +135,7 @@ def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dty
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if out_dtype not in OUT_DTYPE_CHOICES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPE_CHOICES}, got {out_dtype}")
-    family = kernels_for(_DTYPE_NAMES[in_dtype])
+    family = kernels_for(DTYPE_NAMES[in_dtype])
     if kernel not in family:
         raise ValueError(f"kernel={kernel!r} does not take {in_dtype} inputs; choose one of {family}")
     if in_dtype != torch.float32 and out_dtype != in_dtype:
@@ -155,9 +155,6 @@ def check_scale(scale: object) -> None:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     if not _F32_TINY <= scale / math.log(2.0) <= _F32_MAX:
         raise ValueError(f"scale={scale} is outside float32's normal range once multiplied by log2(e)")
-
-
-_PROLOGUE_DTYPES = _DTYPE_NAMES
 
 
 def check_flag(name: str, value: object) -> None:
@@ -188,7 +185,7 @@ def prologue_layout_problem(
         return shape_problem
     head_dim = weights[0].shape[0]
     dtype = projections[0].dtype
-    if dtype not in _PROLOGUE_DTYPES or any(p.dtype != dtype for p in projections):
+    if dtype not in DTYPE_NAMES or any(p.dtype != dtype for p in projections):
         return f"projection dtypes {sorted({str(p.dtype) for p in projections})} are not one of f32/bf16/f16"
     if head_dim % 4 or head_dim > 128:
         return f"head_dim={head_dim} is not a multiple of 4 up to 128"
@@ -241,7 +238,7 @@ def prologue_layout(
     image = projections[-1]
     dtype, device, image_shape = image.dtype, image.get_device(), image.shape
     head_dim = weights[0].shape[0]
-    if dtype not in _PROLOGUE_DTYPES or len(image_shape) != 3 or head_dim % 4 or head_dim > 128:
+    if dtype not in DTYPE_NAMES or len(image_shape) != 3 or head_dim % 4 or head_dim > 128:
         return None
     batch, image_len, width = image_shape
     if width % head_dim:
