@@ -25,18 +25,6 @@ F32_BUILD_HEAD_DIMS = (128, 256, 384)
 """The scalar kernel is built for the smallest of these >= head_dim (its register arrays)."""
 
 
-def _tf32x3_smem(d: int) -> int:
-    return (128 * (d + 4) + 32 * (d + 4) + 32 * (d + 2)) * 8 + 32 * d * 4
-
-
-def _mma16_smem(d: int) -> int:
-    return (128 + 2 * 64) * (2 * d + 16)
-
-
-def _wgmma_smem(d: int) -> int:
-    return 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3)
-
-
 def _fp8_smem(d: int) -> int:
     """Q, four stages of K and V^T (128 x 128 one-byte codes each), 8 x 128 ones for the row sums, mbarriers."""
     return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
@@ -158,7 +146,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
         **_WARP_SPECIALISED,
-        shared_bytes=_wgmma_smem,
+        shared_bytes=lambda d: 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3),
         prefix="WG_",
         geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
         kinds=("IN_KIND",),
@@ -192,7 +180,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         min_capability=(8, 0),
         threads=128,
         rows_per_block=128,
-        shared_bytes=_mma16_smem,
+        shared_bytes=lambda d: (128 + 2 * 64) * (2 * d + 16),
         prefix="MH_",
         geometry={"BQ": "128", "BK": "64", "THREADS": "128"},
         kinds=("IN_KIND",),
@@ -209,7 +197,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         min_capability=(8, 0),
         threads=256,
         rows_per_block=128,
-        shared_bytes=_tf32x3_smem,
+        shared_bytes=lambda d: (128 * (d + 4) + 32 * (d + 4) + 32 * (d + 2)) * 8 + 32 * d * 4,
         prefix="FT_",
         geometry={"BQ": "128", "BK": "32", "THREADS": "256"},
         kinds=("OUT_KIND",),
