@@ -80,20 +80,6 @@ static_assert(X3_SMEM_BYTES == 1024 + 2 * X3_Q_PLANE + X3_STAGES * X3_STAGE_BYTE
               "X3_SMEM_BYTES disagrees with the kernel's Q | stages | mbarriers");
 static_assert(X3_SMEM_BYTES <= 227 * 1024, "X3_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
-#define X3_ACC32                                                                      \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define X3_F32(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24)
-
-/* acc (+)= A B^T, m64n64k16 f16, A and B from shared memory, both K-major. */
-__device__ __forceinline__ void x3_mma_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " X3_ACC32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : X3_F32(acc) : "l"(a), "l"(b), "r"(accumulate));
-}
-
 /* Shared-memory map: Q hi, Q lo, then per stage K hi, K lo, V hi, V lo (1024-byte
    aligned for the swizzle), then the mbarriers q_full, k_full[], v_full[],
    k_free[], v_free[]. Plane 0 is hi, 1 is lo. */
@@ -110,7 +96,7 @@ struct x3_smem : pk_ring<X3_STAGES> {
 __device__ __forceinline__ x3_smem x3_carve(unsigned char* raw)
 {
     x3_smem m;
-    m.base = (pk_smem_addr(raw) + 1023u) & ~1023u;
+    m.base = pk_smem_base(raw);
     m.bars = m.base + 2 * X3_Q_PLANE + X3_STAGES * X3_STAGE_BYTES;
     return m;
 }
@@ -142,13 +128,14 @@ __device__ __forceinline__ void x3_produce(const x3_smem& m, const pk_tensor_map
     const int lo = heads_total + head;
     const unsigned int q_boxes = min(X3_BQ / 64, (seq_q - q0 + 63) / 64);
     x3_copy_planes(m.q(0), X3_Q_PLANE, tm_q, (int)q0, q_boxes, head, lo, m.q_full());
-    for (unsigned int j = 0; j < n_tiles; j++) {
-        const unsigned int s = j % X3_STAGES, parity = (j / X3_STAGES - 1) & 1;
-        if (j >= X3_STAGES) pk_bar_wait(m.k_free(s), parity);
-        x3_copy_planes(m.k(s, 0), X3_KV_PLANE, tm_k, (int)(j * X3_BK), 1, head, lo, m.k_full(s));
-        if (j >= X3_STAGES) pk_bar_wait(m.v_free(s), parity);
-        x3_copy_planes(m.v(s, 0), X3_KV_PLANE, tm_v, (int)(j * X3_BK), 1, head, lo, m.v_full(s));
-    }
+    m.produce(
+        n_tiles,
+        [&](unsigned int j, unsigned int s) {
+            x3_copy_planes(m.k(s, 0), X3_KV_PLANE, tm_k, (int)(j * X3_BK), 1, head, lo, m.k_full(s));
+        },
+        [&](unsigned int j, unsigned int s) {
+            x3_copy_planes(m.v(s, 0), X3_KV_PLANE, tm_v, (int)(j * X3_BK), 1, head, lo, m.v_full(s));
+        });
 }
 
 /* S = Qh Kl + Ql Kh + Qh Kh[d < 64] in sa, Qh Kh[d >= 64] in sb: 8 k-steps of 16 per product. */
@@ -164,9 +151,9 @@ __device__ __forceinline__ void x3_issue_qk(float* sa, float* sb, const x3_smem&
                 pk_wgmma_desc(m.q(q_plane) + (kk / 4) * X3_Q_SLAB + rows0 * 128 + (kk % 4) * 32, 16, 1024);
             const unsigned long long b = pk_wgmma_desc(m.k(s, k_plane) + (kk / 4) * X3_KV_SLAB + (kk % 4) * 32, 16, 1024);
             if (term == 2 && kk >= 4) {
-                x3_mma_ss(sb, a, b, kk > 4);
+                pk_wgmma_n64_ss<2>(sb, a, b, kk > 4);
             } else {
-                x3_mma_ss(sa, a, b, term > 0 || kk > 0);
+                pk_wgmma_n64_ss<2>(sa, a, b, term > 0 || kk > 0);
             }
         }
     }
@@ -264,28 +251,28 @@ __device__ __forceinline__ void x3_consume(const x3_smem& m, typename pk_storage
     #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
 
-    pk_bar_wait(m.q_full(), 0);
+    m.wait_q();
     for (unsigned int j = 0; j < n_tiles; j++) {
-        const unsigned int s = j % X3_STAGES, parity = (j / X3_STAGES) & 1;
-        pk_bar_wait(m.k_full(s), parity);
+        const unsigned int s = j % X3_STAGES;
+        m.wait_k(s, j);
         pk_wgmma_fence();
         x3_issue_qk(sa, sb, m, rows0, s);
         pk_wgmma_wait<0>();
         pk_pin<32>(sa);
         pk_pin<32>(sb);
-        pk_warp_arrive(m.k_free(s));
+        m.free_k(s);
         #pragma unroll
         for (int i = 0; i < 32; i++) sa[i] += sb[i];
         pk_mask_tail<X3_BK / 8>(sa, j * X3_BK, seq_k, t);
         pk_online_softmax<X3_BK / 8, 1, true>(sa, m_run, l_run, corr, factor);
         x3_split_p(ph, pl, sa);
 
-        pk_bar_wait(m.v_full(s), parity);
+        m.wait_v(s, j);
         pk_wgmma_fence();
         x3_issue_pv(pv, ph, pl, m, s);
         pk_wgmma_wait<0>();
         pk_pin<64>(pv);
-        pk_warp_arrive(m.v_free(s));
+        m.free_v(s);
         #pragma unroll
         for (int i = 0; i < 64; i++) o[i] = fmaf(o[i], corr[(i >> 1) & 1], pv[i]);
     }

@@ -87,41 +87,6 @@ static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + F8_O
               "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | ones | mbarriers");
 static_assert(F8_SMEM_BYTES <= 227 * 1024, "F8_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
-#define F8_F4(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3])
-#define F8_R8(a, i) "+r"(a[i]), "+r"(a[i + 1]), "+r"(a[i + 2]), "+r"(a[i + 3]), \
-                    "+r"(a[i + 4]), "+r"(a[i + 5]), "+r"(a[i + 6]), "+r"(a[i + 7])
-#define F8_R64(a) F8_R8(a, 0), F8_R8(a, 8), F8_R8(a, 16), F8_R8(a, 24), \
-                  F8_R8(a, 32), F8_R8(a, 40), F8_R8(a, 48), F8_R8(a, 56)
-
-/* s (+)= A B^T on int8 codes, both from shared memory, K-major, s32 accumulators. */
-__device__ __forceinline__ void f8_mma_qk(int* s, unsigned long long a, unsigned long long b, int accumulate)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " PK_ACC64 ", %64, %65, p;\n}\n"
-        : F8_R64(s) : "l"(a), "l"(b), "r"(accumulate));
-}
-
-/* o (+)= P V: P (64 x 32 keys, E4M3) from registers, V^T from shared memory (K-major). */
-__device__ __forceinline__ void f8_mma_pv(float* o, const unsigned int* p, unsigned long long b, int accumulate)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " PK_ACC64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : PK_F64(o) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(b), "r"(accumulate));
-}
-
-/* l (+)= P 1: the row sums of P (64 x 32 keys, E4M3) by the tensor cores, against 8 columns of ones in
-   shared memory; l[0] (= l[1]) is row g's sum, l[2] (= l[3]) row g + 8's. */
-__device__ __forceinline__ void f8_mma_rowsum(float* l, const unsigned int* p, unsigned long long ones, int accumulate)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-        : F8_F4(l, 0) : "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]), "l"(ones), "r"(accumulate));
-}
-
 /* Two floats to two E4M3 bytes (lo, hi), rounded to nearest, saturated at 448. */
 __device__ __forceinline__ unsigned int f8_e4m3x2(float lo, float hi)
 {
@@ -143,21 +108,23 @@ __device__ __forceinline__ void f8_issue_qk(int* s, unsigned int q_rows, unsigne
     const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < F8_D / 32; kk++) {
-        f8_mma_qk(s, pk_desc_advance(a, kk * 32), pk_desc_advance(b, kk * 32), kk > 0);
+        pk_wgmma_n128_s8_ss(s, pk_desc_advance(a, kk * 32), pk_desc_advance(b, kk * 32), kk > 0);
     }
     pk_wgmma_commit();
 }
 
 /* ot = P V (4 k-steps of 32 (permuted) keys of the V^T tile) and lt = P's row sums, both from 0: a fresh
-   sum per tile keeps the FP8 wgmma's short accumulation (~14 bits) to 128 terms; f8_promote adds them in f32. */
+   sum per tile keeps the FP8 wgmma's short accumulation (~14 bits) to 128 terms; f8_promote adds them in f32.
+   The row sums are P 1 against 8 columns of E4M3 ones in shared memory: lt[0] (= lt[1]) is row g's sum,
+   lt[2] (= lt[3]) row g + 8's. */
 __device__ __forceinline__ void f8_issue_pv(float* ot, float* lt, const unsigned int* p, unsigned int vt_tile,
                                             unsigned int ones)
 {
     const unsigned long long v = pk_wgmma_desc(vt_tile, 16, 1024), one = pk_wgmma_desc(ones, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < F8_BK / 32; kk++) {
-        f8_mma_pv(ot, p + 4 * kk, pk_desc_advance(v, kk * 32), kk > 0);
-        f8_mma_rowsum(lt, p + 4 * kk, pk_desc_advance(one, kk * 32), kk > 0);
+        pk_wgmma_n128_e4m3_rs(ot, p + 4 * kk, pk_desc_advance(v, kk * 32), kk > 0);
+        pk_wgmma_n8_e4m3_rs(lt, p + 4 * kk, pk_desc_advance(one, kk * 32), kk > 0);
     }
     pk_wgmma_commit();
 }
@@ -202,13 +169,10 @@ __device__ __forceinline__ void f8_produce(const f8_smem& m, const pk_tensor_map
                                            unsigned int n_tiles)
 {
     f8_copy_tile(m.q(), tm_q, 0, q0, head, batch, m.q_full());
-    for (unsigned int j = 0; j < n_tiles; j++) {
-        const unsigned int s = j % F8_STAGES, parity = (j / F8_STAGES - 1) & 1;
-        if (j >= F8_STAGES) pk_bar_wait(m.k_free(s), parity);
-        f8_copy_tile(m.k(s), tm_k, 0, j * F8_BK, head, batch, m.k_full(s));
-        if (j >= F8_STAGES) pk_bar_wait(m.v_free(s), parity);
-        f8_copy_tile(m.v(s), tm_vt, j * F8_BK, 0, head, batch, m.v_full(s));
-    }
+    m.produce(
+        n_tiles,
+        [&](unsigned int j, unsigned int s) { f8_copy_tile(m.k(s), tm_k, 0, j * F8_BK, head, batch, m.k_full(s)); },
+        [&](unsigned int j, unsigned int s) { f8_copy_tile(m.v(s), tm_vt, j * F8_BK, 0, head, batch, m.v_full(s)); });
 }
 
 /* The largest of one row's 32 scores in this thread's part of the tile: four independent chains of
@@ -289,8 +253,8 @@ __device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, floa
 {
     const unsigned int st = j % F8_STAGES, prev = (j - 1) % F8_STAGES;
     float corr[2], lt[4];   /* corr: f8_softmax writes it; lt: the first row-sum wgmma ignores it (scale-d 0) */
-    pk_bar_wait(m.k_full(st), (j / F8_STAGES) & 1);
-    pk_bar_wait(m.v_full(prev), ((j - 1) / F8_STAGES) & 1);
+    m.wait_k(st, j);
+    m.wait_v(prev, j - 1);
     pk_pin<64>(s);
     pk_pin<64>(o);                           /* the last tile's promotion (it reads ot) stays above the fence */
     pk_wgmma_fence();
@@ -298,12 +262,12 @@ __device__ __forceinline__ void f8_tile(const f8_smem& m, const f8_rows& r, floa
     f8_issue_pv(ot, lt, p, m.v(prev), m.ones());
     pk_wgmma_wait<1>();
     pk_pin<64>(s);
-    pk_warp_arrive(m.k_free(st));
+    m.free_k(st);
     f8_softmax(s, m_run, corr, fmaxf(r.qs * r.ks[j], F8_MIN_FACTOR), j * F8_BK, r.seq_k, r.t);
     pk_wgmma_wait<0>();
     pk_pin<64>(ot);
     pk_pin<4>(lt);
-    pk_warp_arrive(m.v_free(prev));
+    m.free_v(prev);
     f8_pack_p(p, s);
     f8_promote(o, ot, lt, l_run, corr);
 }
@@ -338,20 +302,20 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
     #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
 
-    pk_bar_wait(m.q_full(), 0);
-    pk_bar_wait(m.k_full(0), 0);
+    m.wait_q();
+    m.wait_k(0, 0);
     pk_wgmma_fence();
     f8_issue_qk((int*)s, q_rows, m.k(0));
     pk_wgmma_wait<0>();
     pk_pin<64>(s);
-    pk_warp_arrive(m.k_free(0));
+    m.free_k(0);
     f8_softmax(s, m_run, corr, fmaxf(qs * ks[0], F8_MIN_FACTOR), 0, seq_k, t);
     f8_pack_p(p, s);
 
     const f8_rows rows = {q_rows, qs, ks, seq_k, t};
     for (unsigned int j = 1; j < n_tiles; j++) f8_tile(m, rows, o, ot, s, p, m_run, l_run, j);
     const unsigned int last = n_tiles - 1;
-    pk_bar_wait(m.v_full(last % F8_STAGES), (last / F8_STAGES) & 1);
+    m.wait_v(last % F8_STAGES, last);
     pk_pin<64>(o);
     pk_wgmma_fence();                        /* after the last writes of p, as wgmma's register operands need */
     f8_issue_pv(ot, lt, p, m.v(last % F8_STAGES), m.ones());
@@ -402,7 +366,7 @@ joint_attention_fp8(
 {
     extern __shared__ __align__(1024) unsigned char f8_smem_raw[];
     f8_smem m;
-    m.base = (pk_smem_addr(f8_smem_raw) + 1023u) & ~1023u;
+    m.base = pk_smem_base(f8_smem_raw);
     m.bars = m.ones() + F8_ONES_BYTES;
     f8_fill_ones(m);
     const unsigned int k_tiles = (seq_k + F8_BK - 1) / F8_BK;   /* the window's: k_scale's pitch */

@@ -69,11 +69,7 @@
 #if WG_D != 128
 #error "the wgmma kernel is built for head_dim 128 only"
 #endif
-#if WG_IN_KIND == 1
-#define WG_TYPES ".f32.bf16.bf16"
-#elif WG_IN_KIND == 2
-#define WG_TYPES ".f32.f16.f16"
-#else
+#if WG_IN_KIND != 1 && WG_IN_KIND != 2
 #error "WG_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
@@ -101,15 +97,6 @@ __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_m
 
 /* ---- wgmma ---- */
 
-/* acc (+)= A B^T, A and B from shared memory, both K-major. */
-__device__ __forceinline__ void wg_mma_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16" WG_TYPES " " PK_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
-}
-
 /* S = Q K^T for one warpgroup: 8 k-steps of 16 columns, 4 per slab. */
 __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsigned int k_tile)
 {
@@ -117,7 +104,7 @@ __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsig
     #pragma unroll
     for (int kk = 0; kk < WG_D / 16; kk++) {
         const unsigned int offset = (kk / 4) * WG_SLAB_BYTES + (kk % 4) * 32;
-        wg_mma_ss(s, pk_desc_advance(a, offset), pk_desc_advance(b, offset), kk > 0);
+        pk_wgmma_n128_ss<WG_IN_KIND>(s, pk_desc_advance(a, offset), pk_desc_advance(b, offset), kk > 0);
     }
     pk_wgmma_commit();
 }
@@ -156,7 +143,7 @@ struct wg_smem : pk_ring<WG_STAGES> {
 __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 {
     wg_smem m;
-    m.base = (pk_smem_addr(raw) + 1023u) & ~1023u;
+    m.base = pk_smem_base(raw);
     m.bars = m.base + (1 + 2 * WG_STAGES) * WG_TILE_BYTES;
     return m;
 }
@@ -166,13 +153,10 @@ __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map
                                            unsigned int n_tiles)
 {
     wg_copy_tile(m.q(), tm_q, q0, head, batch, m.q_full());
-    for (unsigned int j = 0; j < n_tiles; j++) {
-        const unsigned int s = j % WG_STAGES, parity = (j / WG_STAGES - 1) & 1;
-        if (j >= WG_STAGES) pk_bar_wait(m.k_free(s), parity);
-        wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, batch, m.k_full(s));
-        if (j >= WG_STAGES) pk_bar_wait(m.v_free(s), parity);
-        wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, batch, m.v_full(s));
-    }
+    m.produce(
+        n_tiles,
+        [&](unsigned int j, unsigned int s) { wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, batch, m.k_full(s)); },
+        [&](unsigned int j, unsigned int s) { wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, batch, m.v_full(s)); });
 }
 
 __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __restrict__ out, float* __restrict__ lse,
@@ -192,21 +176,21 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
 
-    pk_bar_wait(m.q_full(), 0);
-    pk_bar_wait(m.k_full(0), 0);
+    m.wait_q();
+    m.wait_k(0, 0);
     pk_wgmma_fence();
     wg_issue_qk(s, q_rows, m.k(0));
     pk_wgmma_wait<0>();
     pk_pin<64>(s);
-    pk_warp_arrive(m.k_free(0));
+    m.free_k(0);
     pk_mask_tail<WG_BK / 8>(s, 0, seq_k, t);
     pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
     wg_pack_p(p, s);
 
     for (unsigned int j = 1; j < n_tiles; j++) {
         const unsigned int st = j % WG_STAGES, prev = (j - 1) % WG_STAGES;
-        pk_bar_wait(m.k_full(st), (j / WG_STAGES) & 1);
-        pk_bar_wait(m.v_full(prev), ((j - 1) / WG_STAGES) & 1);
+        m.wait_k(st, j);
+        m.wait_v(prev, j - 1);
         pk_pin<64>(s);
         pk_pin<64>(o);
         pk_wgmma_fence();
@@ -214,17 +198,17 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         wg_issue_pv(o, p, m.v(prev));
         pk_wgmma_wait<1>();
         pk_pin<64>(s);
-        pk_warp_arrive(m.k_free(st));
+        m.free_k(st);
         pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq_k, t);
         pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
         pk_wgmma_wait<0>();
         pk_pin<64>(o);
-        pk_warp_arrive(m.v_free(prev));
+        m.free_v(prev);
         pk_rescale<WG_D / 8>(o, corr);
         wg_pack_p(p, s);
     }
     const unsigned int last = n_tiles - 1;
-    pk_bar_wait(m.v_full(last % WG_STAGES), (last / WG_STAGES) & 1);
+    m.wait_v(last % WG_STAGES, last);
     pk_pin<64>(o);
     pk_wgmma_fence();
     wg_issue_pv(o, p, m.v(last % WG_STAGES));

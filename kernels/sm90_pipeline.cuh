@@ -2,7 +2,8 @@
    (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu).
      TMA          pk_tensor_map, pk_copy_box: bulk tensor copies completing on an mbarrier
      mbarriers    pk_bar_init, pk_bar_expect_bytes, pk_bar_arrive, pk_bar_wait, pk_warp_arrive
-     K/V ring     pk_ring<STAGES>: Q's and each stage's K and V full / free mbarriers
+     K/V ring     pk_smem_base; pk_ring<STAGES>: Q's and each stage's K and V full / free mbarriers,
+                  the producer's loop, the consumers' waits and releases
      Roles        pk_specialise: a producer warpgroup and two consumer warpgroups */
 
 #ifndef PICTOR_SM90_PIPELINE_CUH
@@ -61,10 +62,19 @@ __device__ __forceinline__ void pk_warp_arrive(unsigned int bar)
     if ((threadIdx.x & 31u) == 0) pk_bar_arrive(bar);
 }
 
+/* The 1024-byte aligned start of the dynamic shared memory at `raw`: TMA's 128-byte swizzle pattern
+   repeats every 1024 bytes, and the wgmma descriptors assume tiles aligned to it. */
+__device__ __forceinline__ unsigned int pk_smem_base(const unsigned char* raw)
+{
+    return (pk_smem_addr(raw) + 1023u) & ~1023u;
+}
+
 /* The warp-specialised kernels' mbarriers at `bars`, 8 bytes each: q_full, then k_full[STAGES],
    v_full[STAGES] (one arrival each: the producer's expect-bytes), k_free[STAGES], v_free[STAGES] (one
    arrival per consumer warp). Each kernel's shared-memory layout derives from it and sets `bars`;
-   init: thread 0 initialises them, then the whole block synchronises. */
+   init: thread 0 initialises them, then the whole block synchronises.
+   Key tile j lives in stage j % STAGES, in that stage's round j / STAGES: its full barriers complete
+   phase j / STAGES, and the producer reuses the stage once the consumers freed round j / STAGES - 1. */
 template <int STAGES>
 struct pk_ring {
     unsigned int bars;
@@ -90,6 +100,35 @@ struct pk_ring {
         }
         __syncthreads();
     }
+
+    /* The producer (one thread): for each key tile j, once its stage is free, copy_k(j, s) issues the
+       copies of K completing on k_full(s), then copy_v(j, s) V's on v_full(s). */
+    template <typename CopyK, typename CopyV>
+    __device__ __forceinline__ void produce(unsigned int n_tiles, CopyK copy_k, CopyV copy_v) const
+    {
+        for (unsigned int j = 0; j < n_tiles; j++) {
+            const unsigned int s = j % STAGES, parity = (j / STAGES - 1) & 1;
+            if (j >= STAGES) pk_bar_wait(k_free(s), parity);
+            copy_k(j, s);
+            if (j >= STAGES) pk_bar_wait(v_free(s), parity);
+            copy_v(j, s);
+        }
+    }
+
+    /* The consumers: wait for the Q tile, or for K or V of key tile j in its stage s = j % STAGES, to land;
+       free stage s's K or V (one arrival per warp) once read. Callers pass s, which they also address the
+       stage's tiles with. */
+    __device__ __forceinline__ void wait_q() const { pk_bar_wait(q_full(), 0); }
+    __device__ __forceinline__ void wait_k(unsigned int s, unsigned int j) const
+    {
+        pk_bar_wait(k_full(s), (j / STAGES) & 1);
+    }
+    __device__ __forceinline__ void wait_v(unsigned int s, unsigned int j) const
+    {
+        pk_bar_wait(v_full(s), (j / STAGES) & 1);
+    }
+    __device__ __forceinline__ void free_k(unsigned int s) const { pk_warp_arrive(k_free(s)); }
+    __device__ __forceinline__ void free_v(unsigned int s) const { pk_warp_arrive(v_free(s)); }
 };
 
 /* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to 24) and its

@@ -1,8 +1,16 @@
 /* sm90_wgmma.cuh: Hopper (sm_90a) warpgroup matrix products for the wgmma kernels
-   (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu).
+   (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu): every wgmma.mma_async they issue.
      Descriptors  pk_wgmma_desc (128-byte swizzle), pk_desc_advance
      Ordering     pk_wgmma_fence, pk_wgmma_commit, pk_wgmma_wait<N>, pk_pin<N>
-     Products     pk_wgmma_n128_rs<KIND> */
+     Products     one warpgroup, m64, A (64 rows) from shared memory (_ss) or registers (_rs);
+                  `accumulate` 0 overwrites the accumulators (scale-d 0):
+                    pk_wgmma_n128_ss<KIND>, pk_wgmma_n64_ss<KIND>  16-bit, f32 accumulators
+                    pk_wgmma_n128_rs<KIND>                         16-bit, B MN-major (transposed)
+                    pk_wgmma_n128_s8_ss                            int8 x int8 -> s32 (exact)
+                    pk_wgmma_n128_e4m3_rs, pk_wgmma_n8_e4m3_rs     FP8 E4M3, f32 accumulators
+                  KIND 1 is bfloat16, 2 float16; B is K-major unless said otherwise.
+   The accumulators are the asm operands: PK_ACCn names n of them in the instruction, PK_Fn (f32) and
+   PK_Rn (s32) bind them, read and written. */
 
 #ifndef PICTOR_SM90_WGMMA_CUH
 #define PICTOR_SM90_WGMMA_CUH
@@ -24,21 +32,68 @@ __device__ __forceinline__ unsigned long long pk_desc_advance(unsigned long long
 __device__ __forceinline__ void pk_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void pk_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void pk_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void pk_wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
 
-/* acc[0..63] (+)= A B for one warpgroup, m64n128k16 with f32 accumulators:
-   A (64 x 16) from registers in the wgmma A-fragment layout, B (16 x 128) from
-   shared memory, MN-major (transposed); KIND 1 bfloat16, 2 float16. */
+#define PK_ACC32                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define PK_ACC64                                                                                  \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define PK_F4(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3])
 #define PK_F8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), \
                     "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
+#define PK_F32(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24)
 #define PK_F64(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24), \
                   PK_F8(a, 32), PK_F8(a, 40), PK_F8(a, 48), PK_F8(a, 56)
+#define PK_R8(a, i) "+r"(a[i]), "+r"(a[i + 1]), "+r"(a[i + 2]), "+r"(a[i + 3]), \
+                    "+r"(a[i + 4]), "+r"(a[i + 5]), "+r"(a[i + 6]), "+r"(a[i + 7])
+#define PK_R64(a) PK_R8(a, 0), PK_R8(a, 8), PK_R8(a, 16), PK_R8(a, 24), \
+                  PK_R8(a, 32), PK_R8(a, 40), PK_R8(a, 48), PK_R8(a, 56)
 
+/* acc[0..63] (+)= A B^T, m64n128k16, A and B from shared memory. */
+template <int KIND>
+__device__ __forceinline__ void pk_wgmma_n128_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
+{
+    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n128_ss: KIND 1 (bfloat16) or 2 (float16)");
+    if constexpr (KIND == 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PK_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PK_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
+    }
+}
+
+/* acc[0..31] (+)= A B^T, m64n64k16, A and B from shared memory. */
+template <int KIND>
+__device__ __forceinline__ void pk_wgmma_n64_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
+{
+    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n64_ss: KIND 1 (bfloat16) or 2 (float16)");
+    if constexpr (KIND == 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PK_ACC32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : PK_F32(acc) : "l"(a), "l"(b), "r"(accumulate));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PK_ACC32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : PK_F32(acc) : "l"(a), "l"(b), "r"(accumulate));
+    }
+}
+
+/* acc[0..63] (+)= A B, m64n128k16: A (64 x 16) from registers in the wgmma A-fragment layout,
+   B (16 x 128) from shared memory, MN-major (transposed). */
 template <int KIND>
 __device__ __forceinline__ void pk_wgmma_n128_rs(float* acc, const unsigned int* a, unsigned long long b,
                                                  int accumulate)
@@ -57,6 +112,36 @@ __device__ __forceinline__ void pk_wgmma_n128_rs(float* acc, const unsigned int*
             ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
             : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
     }
+}
+
+/* s[0..63] (+)= A B^T on int8 codes, m64n128k32, A and B from shared memory, s32 accumulators. */
+__device__ __forceinline__ void pk_wgmma_n128_s8_ss(int* s, unsigned long long a, unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " PK_ACC64 ", %64, %65, p;\n}\n"
+        : PK_R64(s) : "l"(a), "l"(b), "r"(accumulate));
+}
+
+/* acc[0..63] (+)= A B, m64n128k32 on E4M3: A (64 x 32) from registers, B from shared memory. */
+__device__ __forceinline__ void pk_wgmma_n128_e4m3_rs(float* acc, const unsigned int* a, unsigned long long b,
+                                                      int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " PK_ACC64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+/* acc[0..3] (+)= A B, m64n8k32 on E4M3: A (64 x 32) from registers, B (8 columns) from shared memory. */
+__device__ __forceinline__ void pk_wgmma_n8_e4m3_rs(float* acc, const unsigned int* a, unsigned long long b,
+                                                    int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : PK_F4(acc, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 /* Pin N accumulators at this point of the program: the compiler must not move
