@@ -77,7 +77,8 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
     """The 8-bit call's two stages on these inputs: the prepass, and the kernel on operands prepared once."""
     from pictor_diffusers import runtime
     from pictor_diffusers.geometry import Geometry
-    from pictor_diffusers.launch import _signature, resolve
+    from pictor_diffusers.launch import _signature
+    from pictor_diffusers.plan import resolve
     from pictor_diffusers.quantized import quantize, quantized_operands
 
     batch, heads, seq, head_dim = q.shape

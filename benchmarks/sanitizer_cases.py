@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.launch import cannot_run
+from pictor_diffusers.plan import cannot_run
 from pictor_diffusers.registry import eight_bit_kernels, kernels_for
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
 from pictor_diffusers.testing.references import attention_float64, random_qkv

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from .custom_ops import no_backward
-from .launch import resolve
 from .ops import attention
+from .plan import resolve
 from .registry import BY_NAME, MAX_HEAD_DIM
 from .selection import NoKernelError
 from .validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
@@ -131,7 +131,7 @@ def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _runnable(kernel: str, compute: torch.dtype, tensors: tuple[torch.Tensor, ...], masked: bool) -> str:
     """`kernel`, or "auto" (pictor's 16-bit path, one warning per reason) where the named 8-bit kernel cannot
     take the dispatcher's q, k, v `[B, N, H, D]` once in `compute`: another head_dim, or, on CUDA in eager
-    mode, a device or build it cannot run (`launch.resolve`). Under torch.compile only the head_dim is
+    mode, a device or build it cannot run (`plan.resolve`). Under torch.compile only the head_dim is
     checked (resolving reads data pointers and loads kernels; the kernel's own error names any other
     reason) and the fallback is not warned about (dynamo cannot trace `warnings.warn`).
     """

@@ -1,9 +1,9 @@
-"""The one launch path: resolve a kernel for CUDA inputs, allocate the output, launch.
+"""The one launch path: execute an attention plan, or launch the prologue.
 
-`attention_cuda` serves every attention kernel of the registry and
-`qkv_prologue_cuda` the prologue; both build the kernel's argument list from
-its registry row and hand it to `runtime.launch`. Inputs were validated at
-the public boundary (`ops.attention`); nothing here re-checks them.
+`run` executes the `plan.AttentionPlan` that `plan.plan_attention` resolved (every attention kernel of
+the registry, or SDPA's call where "auto" hands one to it) and `qkv_prologue_cuda` the prologue; both
+build the kernel's argument list from its registry row and hand it to `runtime.launch`. Inputs were
+validated at the public boundary (`ops.attention`); nothing here re-checks them.
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
-import warnings
 from typing import Any
 
 import torch
 
 from . import runtime, tensor_maps
-from .dtypes import DTYPE_NAMES, DTYPES
-from .geometry import Geometry, Window, full_window
+from .dtypes import DTYPE_NAMES
+from .geometry import Geometry, Window
+from .plan import AttentionPlan, plan_attention
 from .quantized import quantized_operands
-from .registry import KernelSpec, Variant, prologue_variant, quantize_variant, split_variant
-from .selection import NoKernelError, Problem, Selection, select_kernel
+from .registry import KernelSpec, Variant, prologue_variant, split_variant
 from .validation import PrologueLayout
 
 _LOG2_E = 1.0 / math.log(2.0)
@@ -31,67 +29,6 @@ _SCALAR_TYPES = {
     "heads": _U32, "seq_q": _U32, "seq_k": _U32, "q_pitch": _U32, "kv_pitch": _U32, "out_pitch": _U32,
     "head_dim": _U32, "scale": _F32, "scale_log2": _F32,
 }  # fmt: skip
-
-_resolved: dict[tuple[Any, ...], Selection] = {}
-_disabled: dict[int, dict[str, str]] = {}
-_lock = threading.Lock()
-
-
-def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int,
-            aligned: bool, key_lens: bool = False, lse: bool = False) -> Selection:  # fmt: skip
-    """The selection for these inputs on this device (`key_lens`: with per-batch key counts; `lse`: with
-    the log-sum-exp), memoised; "auto" skips (and warns once about) a kernel that cannot be built or
-    loaded here."""
-    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse)
-    selection = _resolved.get(key)
-    if selection is not None:
-        return selection
-    capability, shared_limit = runtime.device_facts(device_index)
-    problem = Problem(
-        DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens, lse
-    )
-    with _lock:
-        disabled = _disabled.setdefault(device_index, {})
-        while True:
-            selection = select_kernel(problem, kernel, disabled)
-            problem_text = None if selection.variant is None else _prepare(selection.variant, device_index)
-            if problem_text is None:
-                break
-            if kernel != "auto":
-                raise NoKernelError(f"kernel={kernel!r} cannot run here: {problem_text}")
-            disabled[selection.variant.spec.name] = problem_text
-            warnings.warn(f"pictor-diffusers: {problem_text}; using the next kernel", RuntimeWarning, stacklevel=4)
-        _resolved[key] = selection
-    return selection
-
-
-def _prepare(variant: Variant, device_index: int) -> str | None:
-    """Compile and load `variant` (and the driver's tensor maps where it uses them), or say why not."""
-    try:
-        if variant.spec.operands in ("tensor_maps", "quantized"):
-            tensor_maps.check_driver()
-        runtime.function(variant, device_index)
-        if variant.spec.operands == "quantized":
-            runtime.function(quantize_variant(variant.head_dim, variant.in_dtype), device_index)
-    except ImportError:
-        raise
-    except Exception as error:  # a build or load failure disables the kernel with its reason
-        return f"the {variant.spec.name} kernel could not be prepared ({type(error).__name__}: {error})"
-    return None
-
-
-def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`out` checked against the destination a kernel writes, or a new tensor."""
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous {dtype} {shape} tensor on {device}, "
-            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
-        )
-    if out.data_ptr() % 16:
-        raise ValueError(f"out must be 16-byte aligned, got address {out.data_ptr():#x} (a view with an offset?)")
-    return out
 
 
 def attention_cuda(
@@ -106,51 +43,26 @@ def attention_cuda(
     window: Window | None = None,
     key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of validated CUDA inputs, token-major `[B, Nq, H*D]` in `out_dtype`.
+    """Attention of validated CUDA inputs, token-major `[B, Nq, H*D]` in `out_dtype`: `run` of the plan
+    `plan.plan_attention` resolves for them (see it for the arguments)."""
+    return run(plan_attention(query, key, value, scale, kernel, out_dtype, out, lse, window, key_lens))
 
-    Args:
-        query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]` (one dtype, any strides: kernels that
-            read through tensor maps take them in place when TMA can, e.g. token-major views; the
-            others get contiguous copies).
-        kernel: "auto" or a registry name of the inputs' family.
-        out: the destination, contiguous `[B, Nq, H*D]` `out_dtype`, 16-byte aligned;
-            required with a window.
-        lse: if given, `[B, Nq, H]` float32 contiguous: receives each computed row's natural
-            log-sum-exp of its scaled logits.
-        window: compute only query rows [q_start, q_stop) over keys [k_start, k_stop) (the
-            rest of `out` and `lse` is left as it is); default: all rows over all keys.
-        key_lens: if given, `[B]` int32 contiguous: batch b attends the first `key_lens[b]` keys of
-            the window (clamped to [0, window keys]); a batch with none gets rows of 0 and LSE -inf (as torch's SDPA).
-    """
-    batch, heads, seq_q, head_dim = query.shape
-    window = full_window(query, key) if window is None else window
-    if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
-        query, key, value = _in_place_or_copy(query), _in_place_or_copy(key), _in_place_or_copy(value)
-    size = query.element_size()
-    q_at = query.data_ptr() + window.q_start * query.stride(2) * size
-    k_at = key.data_ptr() + window.k_start * key.stride(2) * size
-    aligned = not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
-    selection = resolve(
-        kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None, lse is not None
-    )
-    variant = selection.variant
-    if variant is None:
-        return _sdpa_attention(query, key, value, scale, out, window)
-    if selection.upcast:
-        query, key, value = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key, value))
-    elif variant.spec.operands != "tensor_maps":
-        query, key, value = (t.contiguous() for t in (query, key, value))
-    written = DTYPES[variant.out_dtype]
-    shape = (batch, seq_q, heads * head_dim)
-    result = output(out if written == out_dtype else None, shape, written, query.device)
-    launch_attention(variant, query, key, value, result, lse, scale, window, key_lens)
-    if written == out_dtype:
-        return result
-    if out is None:
-        return result.to(out_dtype)
+
+def run(plan: AttentionPlan) -> torch.Tensor:
+    """Execute a plan: the kernel's launch (or SDPA's call) into the plan's output, then the dtype cast the
+    caller asked for; returns the caller's output."""
+    selection, window = plan.selection, plan.window
+    if selection.variant is None:
+        return _sdpa_attention(plan.query, plan.key, plan.value, plan.scale, plan.out, window)
+    launch_attention(selection.variant, plan.query, plan.key, plan.value, plan.written, plan.lse, plan.scale,
+                     window, plan.key_lens)  # fmt: skip
+    if plan.written.dtype == plan.out_dtype:
+        return plan.written
+    if plan.out is None:
+        return plan.written.to(plan.out_dtype)
     rows = slice(window.q_start, window.q_stop)
-    output(out, shape, out_dtype, query.device)[:, rows].copy_(result[:, rows])
-    return out
+    plan.out[:, rows].copy_(plan.written[:, rows])
+    return plan.out
 
 
 def _sdpa_attention(
@@ -166,13 +78,8 @@ def _sdpa_attention(
     token_major = result.transpose(1, 2).reshape(batch, count, heads * head_dim)
     if out is None:
         return token_major
-    output(out, (batch, query.shape[2], heads * head_dim), query.dtype, query.device)[:, rows].copy_(token_major)
+    out[:, rows].copy_(token_major)
     return out
-
-
-def _in_place_or_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` if contiguous or readable by TMA in place (the tensor-map kernels), else a contiguous copy."""
-    return tensor if tensor.is_contiguous() or tensor_maps.readable(tensor) else tensor.contiguous()
 
 
 def launch_attention(
@@ -350,14 +257,3 @@ def qkv_prologue_cuda(
         [*layout.pointers, *(t.data_ptr() for t in outs), *scalars],
     )
     return tuple(outs)
-
-
-def cannot_run(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               out_dtype: torch.dtype | None = None) -> str | None:  # fmt: skip
-    """Why `kernel` cannot run these CUDA inputs on their device (None if it can)."""
-    aligned = not (query.data_ptr() | key.data_ptr() | value.data_ptr()) % 16
-    try:
-        resolve(kernel, query.dtype, out_dtype or query.dtype, query.shape[-1], query.device.index, aligned)
-    except NoKernelError as error:
-        return str(error)
-    return None

@@ -16,7 +16,8 @@ import torch
 from .custom_ops import inference_op, needs_op
 from .dtypes import DTYPE_NAMES, DTYPES
 from .geometry import Window
-from .launch import attention_cuda
+from .launch import run
+from .plan import plan_attention
 from .quant_reference import kernel_twin
 from .reference import online_softmax_attention
 from .registry import BY_NAME, eight_bit_kernels
@@ -48,7 +49,7 @@ def _attention_impl(
 ) -> torch.Tensor:
     """Validated inputs -> token-major `[B, Nq, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
     if query.device.type == "cuda":
-        return attention_cuda(query, key, value, scale, kernel, out_dtype, key_lens=key_lens)
+        return run(plan_attention(query, key, value, scale, kernel, out_dtype, key_lens=key_lens))
     if kernel in EIGHT_BIT:
         return _twin(query, key, value, scale, kernel, key_lens=key_lens).to(out_dtype)
     upcast = tuple(t.float() for t in (query, key, value))
@@ -68,7 +69,8 @@ def _attention_lse_impl(
     batch, heads, seq_q, _ = query.shape
     if query.device.type == "cuda":
         lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device)
-        return attention_cuda(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens), lse
+        plan = plan_attention(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens)
+        return run(plan), lse
     if kernel in EIGHT_BIT:
         out, lse = _twin(query, key, value, scale, kernel, return_lse=True, key_lens=key_lens)
         return out.to(out_dtype), lse
@@ -252,7 +254,7 @@ def windowed_attention(
         query, key, value = (t.contiguous() for t in (query, key, value))
         out = torch.empty((batch, seq_q, heads * head_dim), dtype=out_dtype, device=query.device)
         for window in windows:
-            attention_cuda(query, key, value, scale, kernel, out_dtype, out=out, window=window)
+            run(plan_attention(query, key, value, scale, kernel, out_dtype, out=out, window=window))
         return out
     parts = []
     for w in windows:

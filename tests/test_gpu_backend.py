@@ -203,7 +203,7 @@ def token_major_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Seeded N(0, 1) bf16 q `[B, Nq, 4, 128]`, k, v `[B, Nk, 4, 128]` on CUDA and their head-major contiguous
     copies; skips when `kernel` cannot run them here."""
-    from pictor_diffusers.launch import cannot_run
+    from pictor_diffusers.plan import cannot_run
 
     generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
     query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).bfloat16()

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import attention
-from pictor_diffusers.launch import attention_cuda, cannot_run
+from pictor_diffusers.launch import attention_cuda
+from pictor_diffusers.plan import cannot_run
 from pictor_diffusers.registry import BY_NAME
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 

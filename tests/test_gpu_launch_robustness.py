@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from pictor_diffusers import attention, launch, runtime
+from pictor_diffusers import attention, launch, plan, runtime
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +45,7 @@ def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: py
     """A failed sm_90a build disables wgmma with a warning; "auto" runs mma16 for a call that asks for the
     LSE (SDPA for a plain one), "wgmma" names the failure."""
     query, key, value = (t.to(torch.bfloat16) for t in random_qkv(*SHAPE, seed=4))
-    if launch.cannot_run("mma16", query, key, value) is not None:
+    if plan.cannot_run("mma16", query, key, value) is not None:
         pytest.skip("mma16 cannot run here")
     working = runtime.function
 
@@ -55,8 +55,8 @@ def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: py
         return working(variant, device_index)
 
     monkeypatch.setattr(runtime, "function", broken_wgmma)
-    monkeypatch.setattr(launch, "_resolved", {})
-    monkeypatch.setattr(launch, "_disabled", {})
+    monkeypatch.setattr(plan, "_resolved", {})
+    monkeypatch.setattr(plan, "_disabled", {})
     hopper = torch.cuda.get_device_capability() == (9, 0)
     with pytest.warns(RuntimeWarning, match="could not be prepared") if hopper else contextlib.nullcontext():
         out, _ = attention(query, key, value, return_lse=True)
@@ -65,7 +65,7 @@ def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: py
     plain = torch.nn.functional.scaled_dot_product_attention(query, key, value)
     assert torch.equal(attention(query, key, value), plain.transpose(1, 2).reshape(out.shape))
     if hopper:
-        monkeypatch.setattr(launch, "_disabled", {})
+        monkeypatch.setattr(plan, "_disabled", {})
         with pytest.raises(ValueError, match=r"kernel='wgmma' cannot run here: .*NVRTC failed \(simulated\)"):
             attention(query, key, value, kernel="wgmma")
 

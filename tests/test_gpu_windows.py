@@ -30,7 +30,7 @@ LENGTHS = [(1, 3, 200, 1000), (2, 2, 1000, 77), (1, 2, 129, 1), (1, 4, 1536, 256
 
 
 def _skip_unless_runs(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    from pictor_diffusers.launch import cannot_run
+    from pictor_diffusers.plan import cannot_run
 
     out_dtype = torch.float32 if query.dtype == torch.float32 else query.dtype
     reason = cannot_run(kernel, query, key, value, out_dtype)

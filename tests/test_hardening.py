@@ -13,7 +13,7 @@ import pytest
 import torch
 from cache_helpers import BUILT, Build, entry, is_valid, plant, use_folders
 
-from pictor_diffusers import attention, cache, cubin_cache, launch, runtime
+from pictor_diffusers import attention, cache, cubin_cache, plan, runtime
 from pictor_diffusers.kv_cache import KvRequest, kv_attention
 from pictor_diffusers.validation import MAX_PLANES, MAX_SEQ
 
@@ -140,9 +140,9 @@ def test_auto_on_a_gpu_without_a_tuned_kernel(
 ) -> None:
     """16-bit "auto" on a (faked) device: SDPA unless a kernel measured faster than SDPA there runs it."""
     monkeypatch.setattr(runtime, "device_facts", lambda index: (capability, 232448))
-    monkeypatch.setattr(launch, "_prepare", lambda variant, index: None)
-    monkeypatch.setattr(launch, "_resolved", {})
-    selection = launch.resolve("auto", torch.bfloat16, torch.bfloat16, head_dim, 0, True, lse=lse)
+    monkeypatch.setattr(plan, "_prepare", lambda variant, index: None)
+    monkeypatch.setattr(plan, "_resolved", {})
+    selection = plan.resolve("auto", torch.bfloat16, torch.bfloat16, head_dim, 0, True, lse=lse)
     assert (selection.delegate or selection.variant.spec.name) == expected
-    parity = launch.resolve("auto", torch.float32, torch.float32, head_dim, 0, True)
+    parity = plan.resolve("auto", torch.float32, torch.float32, head_dim, 0, True)
     assert parity.delegate is None and parity.variant.spec.family == "fp32", "the parity path left its kernels"
