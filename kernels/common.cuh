@@ -1,17 +1,20 @@
 /* common.cuh: device helpers for every pictor-diffusers kernel, on any architecture.
 
-   The headers of kernels/, by role (each includes the ones it builds on; the host hands all of
-   them to NVRTC in memory under these names, and nvcc builds pass -I kernels):
+   The headers of kernels/, by role and architecture (each includes the ones it builds on; the host
+   hands all of them to NVRTC in memory under these names, and nvcc builds pass -I kernels):
      common.cuh         any arch: reductions, fast math, 16-bit packing and stores, shared addresses
+     attention_io.cuh   any arch: the attention kernels' operands and per-batch key counts
      softmax.cuh        any arch: the online softmax on mma.sync / wgmma accumulator tiles, the LSE
-     key_lens.cuh       any arch: per-batch key counts (key-padding masks) and keyless rows
      fp16_split.cuh     any arch: f32 -> scaled float16 hi + lo (split_fp16x2.cu, flash_attn_fp16x3.cu)
-     sm80_mma.cuh       sm_80 and later: cp.async copies (flash_attn_mma16.cu, flash_attn_tf32x3.cu)
-     sm90_pipeline.cuh  sm_90a: TMA copies, the mbarrier K/V ring, the producer / consumer warpgroups
+     sm80_mma.cuh       sm_80+: cp.async, ldmatrix and mma.sync (flash_attn_mma16.cu, flash_attn_tf32x3.cu)
+     sm90_pipeline.cuh  sm_90a: TMA copies, the mbarrier K/V ring, the producer and consumer warpgroups
      sm90_wgmma.cuh     sm_90a: wgmma descriptors, instructions and their ordering
-   All helpers are __device__ __forceinline__ and named pk_*; none reads a kernel's -D geometry
-   (sizes come in as template arguments), so a kernel's machine code is what it would be with the
-   helper written out in place.
+   The three Hopper kernels (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu) keep only
+   their shared-memory map, tile copies, main loop and epilogue; the pipeline and the instructions are
+   shared, as FlashAttention-3's hopper/ keeps pipeline, main loop, softmax and epilogue apart.
+   Helpers are __device__ __forceinline__ functions named pk_* (macros PK_*); none reads a kernel's -D
+   geometry (sizes come in as template arguments), so a kernel's machine code is what it would be with
+   the helper written out in place.
 
      Reductions   pk_warp_sum (32 lanes), pk_quad_sum, pk_quad_max (the four
                   lanes t = lane & 3 that share a row of an mma accumulator)

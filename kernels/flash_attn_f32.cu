@@ -46,7 +46,7 @@
    [1, FA_DMAX] is exact, since only dims below head_dim are touched. */
 
 #include "common.cuh"
-#include "key_lens.cuh"
+#include "attention_io.cuh"
 
 #if !defined(FA_DMAX) || !defined(FA_BQ) || !defined(FA_BK) || !defined(FA_THREADS)
 #error "flash_attn_f32.cu needs -D FA_DMAX, FA_BQ, FA_BK and FA_THREADS from the host"
@@ -68,12 +68,7 @@ static_assert(FA_BK >= 1u && FA_DMAX >= 1u, "FA_BK and FA_DMAX must be positive"
 #define FA_NEG_INF (-3.40282347e+38f)
 
 extern "C" __global__ void joint_attention_flash_f32(
-    const float* __restrict__ q,
-    const float* __restrict__ k,
-    const float* __restrict__ v,
-    float* __restrict__ out,
-    float* __restrict__ lse,
-    const int* __restrict__ key_lens,
+    PK_POINTER_OPERANDS(float, float),
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,

@@ -49,7 +49,7 @@
    accumulation across key tiles; the output rounds once. Needs sm_90a. */
 
 #include "fp16_split.cuh"
-#include "key_lens.cuh"
+#include "attention_io.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"
@@ -65,7 +65,6 @@
 #error "the fp16x3 kernel is built for head_dim 128 only"
 #endif
 
-#define X3_CONSUMER_WARPS 8
 #define X3_Q_SLAB (128 * 128)              /* 128 rows x 64 columns x 2 bytes */
 #define X3_Q_PLANE (2 * X3_Q_SLAB)         /* one plane of the Q tile */
 #define X3_KV_SLAB (64 * 128)              /* 64 rows x 64 columns x 2 bytes */
@@ -74,7 +73,7 @@
 #define X3_BARRIER_BYTES (8 * (1 + 4 * X3_STAGES))
 #define X3_P_SCALE 256.f                   /* p in (0, 1] is split as 2^8 p: lo stays normal */
 static_assert(X3_BQ == 128 && X3_BK == 64, "X3_BQ must be 128 and X3_BK 64: the kernel's tile shapes");
-static_assert(X3_THREADS == 32 * (4 + X3_CONSUMER_WARPS), "X3_THREADS must be 384: producer + 2 consumers");
+static_assert(X3_THREADS == PK_THREADS, "X3_THREADS must be 384: producer + 2 consumers");
 static_assert(X3_STAGES >= 1, "X3_STAGES: at least one K/V stage");
 static_assert(X3_SMEM_BYTES == 1024 + 2 * X3_Q_PLANE + X3_STAGES * X3_STAGE_BYTES + X3_BARRIER_BYTES,
               "X3_SMEM_BYTES disagrees with the kernel's Q | stages | mbarriers");
@@ -281,17 +280,9 @@ __device__ __forceinline__ void x3_consume(const x3_smem& m, typename pk_storage
 
 extern "C" __global__ void __launch_bounds__(X3_THREADS, 1)
 joint_attention_fp16x3(
-    const __grid_constant__ pk_tensor_map tm_q,
-    const __grid_constant__ pk_tensor_map tm_k,
-    const __grid_constant__ pk_tensor_map tm_v,
-    typename pk_storage<X3_OUT_KIND>::type* __restrict__ out,
-    float* __restrict__ lse,
-    const int* __restrict__ key_lens,
+    PK_MAP_OPERANDS(typename pk_storage<X3_OUT_KIND>::type),
     const unsigned int* __restrict__ colmax,
-    unsigned int num_heads,
-    unsigned int seq_q,
-    unsigned int seq_k,
-    unsigned int out_pitch,
+    PK_MAP_SCALARS,
     float scale_log2)
 {
     extern __shared__ __align__(1024) unsigned char x3_smem_raw[];
@@ -301,9 +292,7 @@ joint_attention_fp16x3(
 #endif
     const unsigned int n_tiles = (seq_k + X3_BK - 1) / X3_BK;
 
-    m.init<X3_CONSUMER_WARPS>();
-
-    pk_specialise(
+    m.run(
         [&] {
             const int head = (int)(blockIdx.z * num_heads + blockIdx.y);
             x3_produce(m, &tm_q, &tm_k, &tm_v, head, (int)(gridDim.y * gridDim.z), blockIdx.x * X3_BQ, seq_q,

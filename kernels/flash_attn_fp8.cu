@@ -58,7 +58,7 @@
    bits within a 128-key tile and in f32 across tiles; the output rounded once
    to nearest even. Needs sm_90a. */
 
-#include "key_lens.cuh"
+#include "attention_io.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"
@@ -67,14 +67,13 @@
     || !defined(F8_THREADS) || !defined(F8_SMEM_BYTES) || !defined(F8_KEY_LENS)
 #error "flash_attn_fp8.cu needs -D F8_D, F8_IN_KIND, F8_BQ, F8_BK, F8_STAGES, F8_THREADS, F8_SMEM_BYTES, F8_KEY_LENS"
 #endif
-#if F8_D != 128 || F8_BQ != 128 || F8_BK != 128 || F8_THREADS != 384
+#if F8_D != 128 || F8_BQ != 128 || F8_BK != 128 || F8_THREADS != PK_THREADS
 #error "the 8-bit kernel is written for head_dim 128, 128 x 128 tiles and 384 threads"
 #endif
 #if F8_IN_KIND != 1 && F8_IN_KIND != 2
 #error "F8_IN_KIND (the output dtype) must be 1 (bfloat16) or 2 (float16)"
 #endif
 
-#define F8_CONSUMER_WARPS 8
 #define F8_TILE_BYTES (128 * 128)
 #define F8_ONES_BYTES 1024                   /* 8 rows of 128 E4M3 ones: B of the row-sum wgmma */
 #define F8_BIAS 0x4B400000
@@ -349,20 +348,12 @@ __device__ __forceinline__ void f8_consume(const f8_smem& m, unsigned short* __r
 
 extern "C" __global__ void __launch_bounds__(F8_THREADS, 1)
 joint_attention_fp8(
-    const __grid_constant__ pk_tensor_map tm_q,
-    const __grid_constant__ pk_tensor_map tm_k,
-    const __grid_constant__ pk_tensor_map tm_vt,
-    unsigned short* __restrict__ out,
-    float* __restrict__ lse,
-    const int* __restrict__ key_lens,
+    PK_MAP_OPERANDS(unsigned short),    /* tm_v maps vt8, V^T */
     const float* __restrict__ q_scale,
     const float* __restrict__ k_scale,
     const float* __restrict__ v_scale,
     const float* __restrict__ q_shift,
-    unsigned int num_heads,
-    unsigned int seq_q,
-    unsigned int seq_k,
-    unsigned int out_pitch)
+    PK_MAP_SCALARS)
 {
     extern __shared__ __align__(1024) unsigned char f8_smem_raw[];
     f8_smem m;
@@ -375,11 +366,9 @@ joint_attention_fp8(
 #endif
     const unsigned int n_tiles = (seq_k + F8_BK - 1) / F8_BK;
 
-    m.init<F8_CONSUMER_WARPS>();
-
-    pk_specialise(
+    m.run(
         [&] {
-            f8_produce(m, &tm_q, &tm_k, &tm_vt, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * F8_BQ), n_tiles);
+            f8_produce(m, &tm_q, &tm_k, &tm_v, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * F8_BQ), n_tiles);
         },
         [&] {
             const f8_scales scales = {q_scale, k_scale, v_scale, q_shift};

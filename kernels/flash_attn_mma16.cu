@@ -53,7 +53,7 @@
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
    probabilities. The output is rounded once, to nearest even. */
 
-#include "key_lens.cuh"
+#include "attention_io.cuh"
 #include "sm80_mma.cuh"
 #include "softmax.cuh"
 
@@ -67,11 +67,7 @@
 #if MH_D != 64 && MH_D != 128
 #error "MH_D must be 64 or 128"
 #endif
-#if MH_IN_KIND == 1
-#define MH_PTX_TYPE "bf16"
-#elif MH_IN_KIND == 2
-#define MH_PTX_TYPE "f16"
-#else
+#if MH_IN_KIND != 1 && MH_IN_KIND != 2
 #error "MH_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
@@ -120,26 +116,6 @@ __device__ __forceinline__ void mh_copy_tile(unsigned int dst, const unsigned sh
     }
 }
 
-__device__ __forceinline__ void mh_ldsm(unsigned int addr, unsigned int* r)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void mh_ldsm_trans(unsigned int addr, unsigned int* r)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void mh_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1)
-{
-    asm("mma.sync.aligned.m16n8k16.row.col.f32." MH_PTX_TYPE "." MH_PTX_TYPE ".f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 /* Both m16 tiles of A times the two n8 tiles of one ldmatrix.x4 B load:
    c[mt][n], c[mt][n + 1] += a[mt] b. */
 template <int N>
@@ -148,19 +124,14 @@ __device__ __forceinline__ void mh_mma_2x2(float (&c)[2][N][4], int n, const uns
 {
     #pragma unroll
     for (int mt = 0; mt < 2; mt++) {
-        mh_mma(c[mt][n], a[mt], b[0], b[1]);
-        mh_mma(c[mt][n + 1], a[mt], b[2], b[3]);
+        pk_mma_m16n8k16<MH_IN_KIND>(c[mt][n], a[mt], b[0], b[1]);
+        pk_mma_m16n8k16<MH_IN_KIND>(c[mt][n + 1], a[mt], b[2], b[3]);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(MH_THREADS, 2)
 joint_attention_mma16(
-    const unsigned short* __restrict__ q,
-    const unsigned short* __restrict__ k,
-    const unsigned short* __restrict__ v,
-    unsigned short* __restrict__ out,
-    float* __restrict__ lse,
-    const int* __restrict__ key_lens,
+    PK_POINTER_OPERANDS(unsigned short, unsigned short),
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -174,12 +145,8 @@ joint_attention_mma16(
     const unsigned int sK = sQ + MH_Q_BYTES;
     const unsigned int sV = sK + MH_KV_BYTES;
 #if MH_KEY_LENS
-    /* The batch's key count, in shared memory and re-read where used: at
-       head_dim 128 every register is taken by the accumulators. */
-    __shared__ unsigned int mh_keys;
-    if (pk_no_keys<MH_IN_KIND>(key_lens, seq_k, out, lse, MH_BQ, seq_q, num_heads, MH_D, out_pitch)) return;
-    if (threadIdx.x == 0) mh_keys = seq_k;    /* read after the key loop's first __syncthreads */
-#define MH_KEYS (*(volatile unsigned int*)&mh_keys)
+    PK_HOLD_KEYS(MH_IN_KIND, MH_BQ, MH_D);    /* read after the key loop's first __syncthreads */
+#define MH_KEYS PK_HELD_KEYS
 #else
 #define MH_KEYS seq_k
 #endif
@@ -241,12 +208,12 @@ joint_attention_mma16(
         #pragma unroll
         for (int ks = 0; ks < MH_KSTEPS; ks++) {
             unsigned int a[2][4];
-            mh_ldsm(q_addr + ks * 32, a[0]);
-            mh_ldsm(q_addr + 16 * MH_LDB + ks * 32, a[1]);
+            pk_ldsm_x4(q_addr + ks * 32, a[0]);
+            pk_ldsm_x4(q_addr + 16 * MH_LDB + ks * 32, a[1]);
             #pragma unroll
             for (int p = 0; p < MH_STILES / 2; p++) {
                 unsigned int bk[4];
-                mh_ldsm(k_addr + p * 16 * MH_LDB + ks * 32, bk);
+                pk_ldsm_x4(k_addr + p * 16 * MH_LDB + ks * 32, bk);
                 mh_mma_2x2(s, 2 * p, a, bk);
             }
         }
@@ -276,7 +243,7 @@ joint_attention_mma16(
             #pragma unroll
             for (int p = 0; p < MH_OTILES / 2; p++) {
                 unsigned int bv[4];
-                mh_ldsm_trans(v_addr + kk * 16 * MH_LDB + p * 32, bv);
+                pk_ldsm_x4_trans(v_addr + kk * 16 * MH_LDB + p * 32, bv);
                 mh_mma_2x2(o, 2 * p, pa, bv);
             }
         }

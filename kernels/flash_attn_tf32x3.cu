@@ -50,7 +50,7 @@
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
-#include "key_lens.cuh"
+#include "attention_io.cuh"
 #include "sm80_mma.cuh"
 #include "softmax.cuh"
 
@@ -97,22 +97,13 @@ __device__ __forceinline__ uint2 ft_split(float x)
     return make_uint2(hi, lo);
 }
 
-__device__ __forceinline__ void ft_mma(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
-                                       unsigned int a3, unsigned int b0, unsigned int b1)
-{
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 /* a.b in 3xTF32: c_big += hi.hi, c_cross += lo.hi + hi.lo.
    a[i] and b0/b1 are (hi, lo) pairs. */
 __device__ __forceinline__ void ft_mma3(float* c_big, float* c_cross, const uint2* a, uint2 b0, uint2 b1)
 {
-    ft_mma(c_cross, a[0].y, a[1].y, a[2].y, a[3].y, b0.x, b1.x);
-    ft_mma(c_cross, a[0].x, a[1].x, a[2].x, a[3].x, b0.y, b1.y);
-    ft_mma(c_big, a[0].x, a[1].x, a[2].x, a[3].x, b0.x, b1.x);
+    pk_mma_m16n8k8_tf32(c_cross, a[0].y, a[1].y, a[2].y, a[3].y, b0.x, b1.x);
+    pk_mma_m16n8k8_tf32(c_cross, a[0].x, a[1].x, a[2].x, a[3].x, b0.y, b1.y);
+    pk_mma_m16n8k8_tf32(c_big, a[0].x, a[1].x, a[2].x, a[3].x, b0.x, b1.x);
 }
 
 /* Rows [row0, row0 + FT_BK) of a head slice into registers, zeros past seq. */
@@ -153,12 +144,7 @@ __device__ __forceinline__ void ft_store_split4(uint2* tile, unsigned int ld, un
 
 extern "C" __global__ void __launch_bounds__(FT_THREADS, 1)
 joint_attention_tf32x3(
-    const float* __restrict__ q,
-    const float* __restrict__ k,
-    const float* __restrict__ v,
-    ft_out_t* __restrict__ out,
-    float* __restrict__ lse,
-    const int* __restrict__ key_lens,
+    PK_POINTER_OPERANDS(float, ft_out_t),
     unsigned int num_heads,
     unsigned int seq_q,
     unsigned int seq_k,
@@ -173,12 +159,8 @@ joint_attention_tf32x3(
     uint2* Vs = Ks + FT_BK * FT_LDK;
     float* V_raw = (float*)(Vs + FT_BK * FT_LDV);
 #if FT_KEY_LENS
-    /* The batch's key count, in shared memory and re-read where used: at
-       head_dim 128 every register is taken by the accumulators. */
-    __shared__ unsigned int ft_keys;
-    if (pk_no_keys<FT_OUT_KIND>(key_lens, seq_k, out, lse, FT_BQ, seq_q, num_heads, FT_D, out_pitch)) return;
-    if (threadIdx.x == 0) ft_keys = seq_k;    /* read after the key loop's first __syncthreads */
-#define FT_KEYS (*(volatile unsigned int*)&ft_keys)
+    PK_HOLD_KEYS(FT_OUT_KIND, FT_BQ, FT_D);    /* read after the key loop's first __syncthreads */
+#define FT_KEYS PK_HELD_KEYS
 #else
 #define FT_KEYS seq_k
 #endif

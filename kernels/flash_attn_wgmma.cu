@@ -54,7 +54,7 @@
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
 
-#include "key_lens.cuh"
+#include "attention_io.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"
@@ -73,13 +73,12 @@
 #error "WG_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
-#define WG_CONSUMER_WARPS 8
 #define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
 #define WG_TILE_BYTES (2 * WG_SLAB_BYTES)    /* 128 rows x 128 columns */
 #define WG_BARRIER_BYTES (8 * (1 + 4 * WG_STAGES))
 static_assert(WG_BQ == 128 && WG_BK == 128,
               "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
-static_assert(WG_THREADS == 32 * (4 + WG_CONSUMER_WARPS),
+static_assert(WG_THREADS == PK_THREADS,
               "WG_THREADS must be 384: one producer and two consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
 static_assert(WG_SMEM_BYTES == 1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES,
@@ -234,16 +233,8 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 joint_attention_wgmma(
-    const __grid_constant__ pk_tensor_map tm_q,
-    const __grid_constant__ pk_tensor_map tm_k,
-    const __grid_constant__ pk_tensor_map tm_v,
-    unsigned short* __restrict__ out,
-    float* __restrict__ lse,
-    const int* __restrict__ key_lens,
-    unsigned int num_heads,
-    unsigned int seq_q,
-    unsigned int seq_k,
-    unsigned int out_pitch,
+    PK_MAP_OPERANDS(unsigned short),
+    PK_MAP_SCALARS,
     float scale_log2)
 {
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
@@ -253,9 +244,7 @@ joint_attention_wgmma(
 #endif
     const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
 
-    m.init<WG_CONSUMER_WARPS>();
-
-    pk_specialise(
+    m.run(
         [&] {
             wg_produce(m, &tm_q, &tm_k, &tm_v, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * WG_BQ), n_tiles);
         },

@@ -11,6 +11,10 @@
 
 #include "common.cuh"
 
+/* The roles (pk_specialise): warpgroup 0 produces, warpgroups 1 and 2 consume, 64 query rows each. */
+#define PK_THREADS 384
+#define PK_CONSUMER_WARPS 8
+
 /* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
 struct __align__(64) pk_tensor_map {
     unsigned long long opaque[16];
@@ -69,6 +73,20 @@ __device__ __forceinline__ unsigned int pk_smem_base(const unsigned char* raw)
     return (pk_smem_addr(raw) + 1023u) & ~1023u;
 }
 
+/* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to 24) and its
+   thread 0 runs `produce` (the TMA copies); the consumer warpgroups take them (240) and run `consume`. */
+template <typename Produce, typename Consume>
+__device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
+{
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        if (threadIdx.x == 0) produce();
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        consume();
+    }
+}
+
 /* The warp-specialised kernels' mbarriers at `bars`, 8 bytes each: q_full, then k_full[STAGES],
    v_full[STAGES] (one arrival each: the producer's expect-bytes), k_free[STAGES], v_free[STAGES] (one
    arrival per consumer warp). Each kernel's shared-memory layout derives from it and sets `bars`;
@@ -84,7 +102,6 @@ struct pk_ring {
     __device__ unsigned int k_free(unsigned int s) const { return bars + 8 * (1 + 2 * STAGES + s); }
     __device__ unsigned int v_free(unsigned int s) const { return bars + 8 * (1 + 3 * STAGES + s); }
 
-    template <int CONSUMER_WARPS>
     __device__ void init() const
     {
         if (threadIdx.x == 0) {
@@ -93,12 +110,20 @@ struct pk_ring {
             for (int s = 0; s < STAGES; s++) {
                 pk_bar_init(k_full(s), 1);
                 pk_bar_init(v_full(s), 1);
-                pk_bar_init(k_free(s), CONSUMER_WARPS);
-                pk_bar_init(v_free(s), CONSUMER_WARPS);
+                pk_bar_init(k_free(s), PK_CONSUMER_WARPS);
+                pk_bar_init(v_free(s), PK_CONSUMER_WARPS);
             }
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
         __syncthreads();
+    }
+
+    /* The kernel after its shared-memory map: the mbarriers initialised, then the roles (pk_specialise). */
+    template <typename Produce, typename Consume>
+    __device__ __forceinline__ void run(Produce produce, Consume consume) const
+    {
+        init();
+        pk_specialise(produce, consume);
     }
 
     /* The producer (one thread): for each key tile j, once its stage is free, copy_k(j, s) issues the
@@ -130,19 +155,5 @@ struct pk_ring {
     __device__ __forceinline__ void free_k(unsigned int s) const { pk_warp_arrive(k_free(s)); }
     __device__ __forceinline__ void free_v(unsigned int s) const { pk_warp_arrive(v_free(s)); }
 };
-
-/* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to 24) and its
-   thread 0 runs `produce` (the TMA copies); the consumer warpgroups take them (240) and run `consume`. */
-template <typename Produce, typename Consume>
-__device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
-{
-    if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
-        if (threadIdx.x == 0) produce();
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
-        consume();
-    }
-}
 
 #endif

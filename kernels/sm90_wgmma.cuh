@@ -56,40 +56,35 @@ __device__ __forceinline__ void pk_wgmma_wait()
 #define PK_R64(a) PK_R8(a, 0), PK_R8(a, 8), PK_R8(a, 16), PK_R8(a, 24), \
                   PK_R8(a, 32), PK_R8(a, 40), PK_R8(a, 48), PK_R8(a, 56)
 
+/* One wgmma.mma_async, as asm text: p = (operand d != 0) is its scale-d, so `accumulate` 0 overwrites
+   the accumulators; SHAPE_TYPES is the instruction's suffix and OPERANDS its operand list. */
+#define PK_WGMMA(d, SHAPE_TYPES, OPERANDS)                                                        \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %" #d ", 0;\n"                                              \
+    "wgmma.mma_async.sync.aligned." SHAPE_TYPES " " OPERANDS ";\n}\n"
+
+/* A 16-bit wgmma of dtype KIND (1: .bf16, 2: .f16 inputs; f32 accumulators); the asm operands follow. */
+#define PK_WGMMA_16BIT(KIND, d, SHAPE, OPERANDS, ...)                                           \
+    static_assert(KIND == 1 || KIND == 2, "a 16-bit wgmma: KIND 1 (bfloat16) or 2 (float16)"); \
+    if constexpr (KIND == 1) {                                                                 \
+        asm volatile(PK_WGMMA(d, SHAPE ".f32.bf16.bf16", OPERANDS) : __VA_ARGS__);             \
+    } else {                                                                                   \
+        asm volatile(PK_WGMMA(d, SHAPE ".f32.f16.f16", OPERANDS) : __VA_ARGS__);               \
+    }
+
 /* acc[0..63] (+)= A B^T, m64n128k16, A and B from shared memory. */
 template <int KIND>
 __device__ __forceinline__ void pk_wgmma_n128_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
 {
-    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n128_ss: KIND 1 (bfloat16) or 2 (float16)");
-    if constexpr (KIND == 1) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PK_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PK_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-            : PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
-    }
+    PK_WGMMA_16BIT(KIND, 66, "m64n128k16", PK_ACC64 ", %64, %65, p, 1, 1, 0, 0",
+                   PK_F64(acc) : "l"(a), "l"(b), "r"(accumulate));
 }
 
 /* acc[0..31] (+)= A B^T, m64n64k16, A and B from shared memory. */
 template <int KIND>
 __device__ __forceinline__ void pk_wgmma_n64_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
 {
-    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n64_ss: KIND 1 (bfloat16) or 2 (float16)");
-    if constexpr (KIND == 1) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PK_ACC32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : PK_F32(acc) : "l"(a), "l"(b), "r"(accumulate));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PK_ACC32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : PK_F32(acc) : "l"(a), "l"(b), "r"(accumulate));
-    }
+    PK_WGMMA_16BIT(KIND, 34, "m64n64k16", PK_ACC32 ", %32, %33, p, 1, 1, 0, 0",
+                   PK_F32(acc) : "l"(a), "l"(b), "r"(accumulate));
 }
 
 /* acc[0..63] (+)= A B, m64n128k16: A (64 x 16) from registers in the wgmma A-fragment layout,
@@ -98,50 +93,31 @@ template <int KIND>
 __device__ __forceinline__ void pk_wgmma_n128_rs(float* acc, const unsigned int* a, unsigned long long b,
                                                  int accumulate)
 {
-    static_assert(KIND == 1 || KIND == 2, "pk_wgmma_n128_rs: KIND 1 (bfloat16) or 2 (float16)");
-    if constexpr (KIND == 1) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PK_ACC64
-            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PK_ACC64
-            ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-            : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-    }
+    PK_WGMMA_16BIT(KIND, 69, "m64n128k16", PK_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1",
+                   PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 /* s[0..63] (+)= A B^T on int8 codes, m64n128k32, A and B from shared memory, s32 accumulators. */
 __device__ __forceinline__ void pk_wgmma_n128_s8_ss(int* s, unsigned long long a, unsigned long long b, int accumulate)
 {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " PK_ACC64 ", %64, %65, p;\n}\n"
-        : PK_R64(s) : "l"(a), "l"(b), "r"(accumulate));
+    asm volatile(PK_WGMMA(66, "m64n128k32.s32.s8.s8", PK_ACC64 ", %64, %65, p")
+                 : PK_R64(s) : "l"(a), "l"(b), "r"(accumulate));
 }
 
 /* acc[0..63] (+)= A B, m64n128k32 on E4M3: A (64 x 32) from registers, B from shared memory. */
 __device__ __forceinline__ void pk_wgmma_n128_e4m3_rs(float* acc, const unsigned int* a, unsigned long long b,
                                                       int accumulate)
 {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " PK_ACC64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    asm volatile(PK_WGMMA(69, "m64n128k32.f32.e4m3.e4m3", PK_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1")
+                 : PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 /* acc[0..3] (+)= A B, m64n8k32 on E4M3: A (64 x 32) from registers, B (8 columns) from shared memory. */
 __device__ __forceinline__ void pk_wgmma_n8_e4m3_rs(float* acc, const unsigned int* a, unsigned long long b,
                                                     int accumulate)
 {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-        : PK_F4(acc, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+    asm volatile(PK_WGMMA(9, "m64n8k32.f32.e4m3.e4m3", "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1")
+                 : PK_F4(acc, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 /* Pin N accumulators at this point of the program: the compiler must not move

@@ -12,8 +12,8 @@ from pathlib import Path
 _PACKAGE_DIR = Path(__file__).resolve().parent
 HEADERS = (
     "common.cuh",
+    "attention_io.cuh",
     "softmax.cuh",
-    "key_lens.cuh",
     "fp16_split.cuh",
     "sm80_mma.cuh",
     "sm90_pipeline.cuh",

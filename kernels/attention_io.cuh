@@ -1,0 +1,86 @@
+/* attention_io.cuh: what the attention kernels take and give at their boundary, any architecture.
+
+   Operands     PK_POINTER_OPERANDS, PK_MAP_OPERANDS: a kernel's leading parameters, in the order of
+                the registry's operand kinds "pointers" and "tensor_maps" (launch.py passes them);
+                PK_MAP_SCALARS, the TMA kernels' window
+   Key counts   a key-padding mask reaches the kernels as key counts (KEY_LENS=1 builds): the host
+                moves each batch's kept keys to the front of the window, and batch b attends its
+                first key_lens[b] keys.
+                  pk_batch_keys          the batch's key count, clamped to the window
+                  pk_store_keyless_rows  a batch with no keys: output 0, LSE -inf (torch's SDPA)
+                  pk_no_keys             a KEY_LENS build's first step: both of the above
+                  PK_HOLD_KEYS           pk_no_keys, then the count kept in shared memory
+                                         (PK_HELD_KEYS), for the mma.sync kernels */
+
+#ifndef PICTOR_ATTENTION_IO_CUH
+#define PICTOR_ATTENTION_IO_CUH
+
+#include "common.cuh"
+
+/* q, k, v (IN_T, head-major planes), out (OUT_T, token-major), lse (f32, or null), key_lens (i32, or null). */
+#define PK_POINTER_OPERANDS(IN_T, OUT_T)                                                                 \
+    const IN_T* __restrict__ q, const IN_T* __restrict__ k, const IN_T* __restrict__ v,                   \
+        OUT_T* __restrict__ out, float* __restrict__ lse, const int* __restrict__ key_lens
+
+/* TMA maps of q, k, v (pk_tensor_map, sm90_pipeline.cuh), then out, lse and key_lens as above. */
+#define PK_MAP_OPERANDS(OUT_T)                                                                            \
+    const __grid_constant__ pk_tensor_map tm_q, const __grid_constant__ pk_tensor_map tm_k,                \
+        const __grid_constant__ pk_tensor_map tm_v, OUT_T* __restrict__ out, float* __restrict__ lse,      \
+        const int* __restrict__ key_lens
+
+/* The TMA kernels' first scalars (the registry's heads, seq_q, seq_k, out_pitch): the window a launch
+   covers; the maps carry the inputs' pitches. */
+#define PK_MAP_SCALARS unsigned int num_heads, unsigned int seq_q, unsigned int seq_k, unsigned int out_pitch
+
+/* The keys batch blockIdx.z attends: the first key_lens[blockIdx.z] of the
+   window's seq_k (clamped to [0, seq_k]), or all seq_k when key_lens is null. */
+__device__ __forceinline__ unsigned int pk_batch_keys(const int* key_lens, unsigned int seq_k)
+{
+    return key_lens == nullptr ? seq_k : (unsigned int)min(max(key_lens[blockIdx.z], 0), (int)seq_k);
+}
+
+/* The block's query rows [blockIdx.x * rows, + rows) of head blockIdx.y when
+   its batch has no keys: outputs 0 and LSE -inf, what torch's SDPA gives a
+   row whose keys are all masked. out: token-major [batch, out_pitch,
+   num_heads * head_dim] of dtype KIND (0 is 0 in every dtype), at the
+   window's first row; rows >= seq_q are left alone. */
+template <int KIND>
+__device__ __forceinline__ void pk_store_keyless_rows(typename pk_storage<KIND>::type* out, float* lse,
+                                                      unsigned int rows, unsigned int seq_q, unsigned int num_heads,
+                                                      unsigned int head_dim, unsigned int out_pitch)
+{
+    for (unsigned int i = threadIdx.x; i < rows * head_dim; i += blockDim.x) {
+        const unsigned int row = blockIdx.x * rows + i / head_dim, col = i % head_dim;
+        if (row >= seq_q) continue;
+        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
+        out[(token * num_heads + blockIdx.y) * head_dim + col] = 0;
+        if (col == 0 && lse != nullptr) lse[token * num_heads + blockIdx.y] = PK_NEG_INF;
+    }
+}
+
+/* A key-count build's first step: seq_k becomes the batch's key count
+   (pk_batch_keys); when it is 0 the block stores its keyless rows
+   (pk_store_keyless_rows) and returns true, and the kernel returns. */
+template <int KIND>
+__device__ __forceinline__ bool pk_no_keys(const int* key_lens, unsigned int& seq_k,
+                                           typename pk_storage<KIND>::type* out, float* lse, unsigned int rows,
+                                           unsigned int seq_q, unsigned int num_heads, unsigned int head_dim,
+                                           unsigned int out_pitch)
+{
+    seq_k = pk_batch_keys(key_lens, seq_k);
+    if (seq_k != 0) return false;
+    pk_store_keyless_rows<KIND>(out, lse, rows, seq_q, num_heads, head_dim, out_pitch);
+    return true;
+}
+
+/* The mma.sync kernels' KEY_LENS step, in the kernel body (key_lens, seq_k, out, lse, seq_q, num_heads
+   and out_pitch are its parameters): pk_no_keys, then thread 0 keeps the count in shared memory, where
+   each use re-reads it (PK_HELD_KEYS) after a __syncthreads: at head_dim 128 the accumulators take
+   every register. */
+#define PK_HOLD_KEYS(KIND, ROWS, D)                                                                   \
+    __shared__ unsigned int pk_held_keys;                                                             \
+    if (pk_no_keys<KIND>(key_lens, seq_k, out, lse, ROWS, seq_q, num_heads, D, out_pitch)) return;    \
+    if (threadIdx.x == 0) pk_held_keys = seq_k
+#define PK_HELD_KEYS (*(volatile unsigned int*)&pk_held_keys)
+
+#endif
