@@ -206,7 +206,7 @@ def writable_extensions() -> str:
 
 def out_problem(path: Path, overwrite: bool) -> str | None:
     """Why an image cannot be written to `path`, or None if it can."""
-    if path.is_dir() and not path.is_symlink():
+    if os.path.isdir(path) and not os.path.islink(path):  # os.path's tests answer False where stat fails
         return f"is a directory; name an image file in it, such as {str(path / DEFAULT_OUT.name)!r}"
     if image_format(path) is None:
         kind = f"{path.suffix!r} files" if path.suffix else "a name without an extension"
@@ -214,22 +214,22 @@ def out_problem(path: Path, overwrite: bool) -> str | None:
     problem = folder_problem(path.parent)
     if problem:
         return problem
-    if path.is_symlink() and not overwrite:
+    if os.path.islink(path) and not overwrite:
         return (
             f"is a symbolic link (to {os.readlink(path)!r}); --overwrite replaces the link itself, "
             "its target is never written"
         )
-    if path.exists() and not overwrite:
+    if os.path.lexists(path) and not overwrite:
         return "exists; pass --overwrite to replace it, or name another file"
     return None
 
 
 def folder_problem(folder: Path) -> str | None:
     """Why no file can be created in `folder`, or None; a missing outputs/ is fine where it can be made."""
-    if not folder.exists() and folder == DEFAULT_OUT.parent:
+    if not os.path.lexists(folder) and folder == DEFAULT_OUT.parent:
         folder = Path.cwd()
-    if not folder.is_dir():
-        return f"its folder {str(folder)!r} {'is not a directory' if folder.exists() else 'does not exist'}"
+    if not os.path.isdir(folder):
+        return f"its folder {str(folder)!r} {'is not a directory' if os.path.lexists(folder) else 'does not exist'}"
     try:
         descriptor, temp = open_temp(folder, "write-check")
     except OSError as error:
