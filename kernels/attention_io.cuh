@@ -2,10 +2,11 @@
 
    Operands     PK_POINTER_OPERANDS, PK_MAP_OPERANDS: a kernel's leading parameters, in the order of
                 the registry's operand kinds "pointers" and "tensor_maps" (launch.py passes them);
-                PK_MAP_SCALARS, the TMA kernels' window
-   Key counts   a key-padding mask reaches the kernels as key counts (KEY_LENS=1 builds): the host
-                moves each batch's kept keys to the front of the window, and batch b attends its
-                first key_lens[b] keys.
+                PK_POINTER_SCALARS, PK_MAP_SCALARS: the scalars that follow them
+   Key counts   a key-padding mask reaches the kernels as key counts, in their KEY_LENS=1 builds (a
+                KEY_LENS=0 build is the kernel without them): the host moves each batch's kept keys
+                to the front of the window, and batch b attends its first key_lens[b] keys, clamped
+                to [0, seq_k]; a batch with none gets rows of 0 and LSE -inf, as torch's SDPA gives.
                   pk_batch_keys          the batch's key count, clamped to the window
                   pk_store_keyless_rows  a batch with no keys: output 0, LSE -inf (torch's SDPA)
                   pk_no_keys             a KEY_LENS build's first step: both of the above
@@ -28,8 +29,12 @@
         const __grid_constant__ pk_tensor_map tm_v, OUT_T* __restrict__ out, float* __restrict__ lse,      \
         const int* __restrict__ key_lens
 
-/* The TMA kernels' first scalars (the registry's heads, seq_q, seq_k, out_pitch): the window a launch
-   covers; the maps carry the inputs' pitches. */
+/* The first scalars (the registry's heads, seq_q, seq_k, then the pitches): the window a launch covers,
+   and the rows between the planes of q, of k and v, and between the batches of out; the TMA kernels'
+   maps carry the inputs' pitches. */
+#define PK_POINTER_SCALARS                                                                              \
+    unsigned int num_heads, unsigned int seq_q, unsigned int seq_k, unsigned int q_pitch,               \
+        unsigned int kv_pitch, unsigned int out_pitch
 #define PK_MAP_SCALARS unsigned int num_heads, unsigned int seq_q, unsigned int seq_k, unsigned int out_pitch
 
 /* The keys batch blockIdx.z attends: the first key_lens[blockIdx.z] of the

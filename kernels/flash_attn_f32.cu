@@ -34,19 +34,17 @@
                  out[b, n, h*head_dim + d] = O[b, h, n, d]
        lse     : [batch, out_pitch, num_heads] f32, natural log-sum-exp of
                  each row's scaled logits; null: not written
-       key_lens: [batch] i32 or null, read by the FA_KEY_LENS=1 build only
-                 (the =0 build is the kernel without key counts): batch b
-                 attends its first key_lens[b] keys of the window (clamped
-                 to [0, seq_k]), the host having moved a key-padding mask's
-                 kept keys to the front; with none, its rows are 0 and their
-                 LSE -inf (as torch's SDPA gives)
+       key_lens: [batch] i32 or null, read by the FA_KEY_LENS=1 build only:
+                 batch b attends its first key_lens[b] keys (attention_io.cuh)
 
    Variants: the host compiles this source once per FA_DMAX (the compile-time
    bound on head_dim that sizes the per-lane register arrays); any head_dim in
-   [1, FA_DMAX] is exact, since only dims below head_dim are touched. */
+   [1, FA_DMAX] is exact, since only dims below head_dim are touched.
+   Precision: f32 throughout, scalar FFMA products, expf / logf from the math
+   library, subnormals flushed (-ftz=true from the host); the output is f32. */
 
-#include "common.cuh"
 #include "attention_io.cuh"
+#include "common.cuh"
 
 #if !defined(FA_DMAX) || !defined(FA_BQ) || !defined(FA_BK) || !defined(FA_THREADS)
 #error "flash_attn_f32.cu needs -D FA_DMAX, FA_BQ, FA_BK and FA_THREADS from the host"
@@ -69,12 +67,7 @@ static_assert(FA_BK >= 1u && FA_DMAX >= 1u, "FA_BK and FA_DMAX must be positive"
 
 extern "C" __global__ void joint_attention_flash_f32(
     PK_POINTER_OPERANDS(float, float),
-    unsigned int num_heads,
-    unsigned int seq_q,
-    unsigned int seq_k,
-    unsigned int q_pitch,
-    unsigned int kv_pitch,
-    unsigned int out_pitch,
+    PK_POINTER_SCALARS,
     unsigned int head_dim,
     float scale)
 {

@@ -39,17 +39,13 @@
                  (0: f32, 1: bf16, 2: f16), offset by the host to the window's
                  first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null, read by the X3_KEY_LENS=1 build only
-                 (the =0 build is the kernel without key counts): batch b
-                 attends its first key_lens[b] keys of the window (clamped
-                 to [0, seq_k]), the host having moved a key-padding mask's
-                 kept keys to the front; with none, its rows are 0 and their
-                 LSE -inf (as torch's SDPA gives)
+       key_lens: [batch] i32 or null, read by the X3_KEY_LENS=1 build only:
+                 batch b attends its first key_lens[b] keys (attention_io.cuh)
    Precision: about 2^-22 relative per product term, f32 softmax, IEEE
    accumulation across key tiles; the output rounds once. Needs sm_90a. */
 
-#include "fp16_split.cuh"
 #include "attention_io.cuh"
+#include "fp16_split.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"

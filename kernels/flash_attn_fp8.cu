@@ -51,8 +51,8 @@
        out    : token-major [batch, out_pitch, num_heads * 128], F8_IN_KIND
                 (1 bfloat16, 2 float16)
        lse    : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null (F8_KEY_LENS=1 build only), as in
-                flash_attn_wgmma.cu
+       key_lens: [batch] i32 or null (F8_KEY_LENS=1 build only): batch b attends its
+                first key_lens[b] keys (attention_io.cuh)
    Precision: int8 Q.K with per-block scales (exact products), FP8 E4M3 P and
    V (3 mantissa bits), f32 softmax; P.V accumulated with the FP8 wgmma's ~14
    bits within a 128-key tile and in f32 across tiles; the output rounded once

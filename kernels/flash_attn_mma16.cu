@@ -42,12 +42,8 @@
                  keys [0, seq_k) attended
        out     : token-major [batch, out_pitch, num_heads * MH_D], same dtype
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null, read by the MH_KEY_LENS=1 build only
-                 (the =0 build is the kernel without key counts): batch b
-                 attends its first key_lens[b] keys of the window (clamped
-                 to [0, seq_k]), the host having moved a key-padding mask's
-                 kept keys to the front; with none, its rows are 0 and their
-                 LSE -inf (as torch's SDPA gives)
+       key_lens: [batch] i32 or null, read by the MH_KEY_LENS=1 build only:
+                 batch b attends its first key_lens[b] keys (attention_io.cuh)
    Precision: f32 logits, softmax state and accumulators (exp2 and the final
    1 / l by the ex2.approx / rcp.approx units). P is rounded to the input
    dtype for P V (as FlashAttention-2 does); the row sums use the f32
@@ -132,12 +128,7 @@ __device__ __forceinline__ void mh_mma_2x2(float (&c)[2][N][4], int n, const uns
 extern "C" __global__ void __launch_bounds__(MH_THREADS, 2)
 joint_attention_mma16(
     PK_POINTER_OPERANDS(unsigned short, unsigned short),
-    unsigned int num_heads,
-    unsigned int seq_q,
-    unsigned int seq_k,
-    unsigned int q_pitch,
-    unsigned int kv_pitch,
-    unsigned int out_pitch,
+    PK_POINTER_SCALARS,
     float scale_log2)
 {
     extern __shared__ __align__(16) unsigned char mh_smem[];

@@ -41,12 +41,8 @@
        out     : token-major [batch, out_pitch, num_heads * FT_D]; f32, or the
                  16-bit bit patterns of bf16 / f16 (FT_OUT_KIND 1 / 2)
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null, read by the FT_KEY_LENS=1 build only
-                 (the =0 build is the kernel without key counts): batch b
-                 attends its first key_lens[b] keys of the window (clamped
-                 to [0, seq_k]), the host having moved a key-padding mask's
-                 kept keys to the front; with none, its rows are 0 and their
-                 LSE -inf (as torch's SDPA gives)
+       key_lens: [batch] i32 or null, read by the FT_KEY_LENS=1 build only:
+                 batch b attends its first key_lens[b] keys (attention_io.cuh)
    Precision: f32 inputs, 3xTF32 products, f32 softmax state and accumulators;
    the output is rounded once, to nearest even, into the output dtype. */
 
@@ -145,12 +141,7 @@ __device__ __forceinline__ void ft_store_split4(uint2* tile, unsigned int ld, un
 extern "C" __global__ void __launch_bounds__(FT_THREADS, 1)
 joint_attention_tf32x3(
     PK_POINTER_OPERANDS(float, ft_out_t),
-    unsigned int num_heads,
-    unsigned int seq_q,
-    unsigned int seq_k,
-    unsigned int q_pitch,
-    unsigned int kv_pitch,
-    unsigned int out_pitch,
+    PK_POINTER_SCALARS,
     float scale_log2)
 {
     extern __shared__ __align__(16) uint2 ft_smem[];

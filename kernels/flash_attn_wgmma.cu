@@ -44,12 +44,8 @@
        out     : token-major [batch, out_pitch, num_heads * 128], same dtype,
                  offset by the host to the window's first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only
-                 (the =0 build is the kernel without key counts): batch b
-                 attends its first key_lens[b] keys of the window (clamped
-                 to [0, seq_k]), the host having moved a key-padding mask's
-                 kept keys to the front; with none, its rows are 0 and their
-                 LSE -inf (as torch's SDPA gives)
+       key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
+                 batch b attends its first key_lens[b] keys (attention_io.cuh)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */

@@ -1,10 +1,15 @@
 /* sm90_pipeline.cuh: the Hopper (sm_90a) warp-specialised pipeline of the wgmma kernels
-   (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu).
+   (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu): one producer thread streams K and V
+   tiles by TMA into a STAGES-deep ring of shared-memory stages, two consumer warpgroups read them, and
+   mbarriers hand each stage back and forth. A kernel brings its shared-memory map (derived from
+   pk_ring, which sets where the tiles lie) and the copies of its tiles.
      TMA          pk_tensor_map, pk_copy_box: bulk tensor copies completing on an mbarrier
      mbarriers    pk_bar_init, pk_bar_expect_bytes, pk_bar_arrive, pk_bar_wait, pk_warp_arrive
+     Roles        PK_THREADS, PK_CONSUMER_WARPS, pk_specialise: a producer warpgroup (setmaxnreg down)
+                  and two consumer warpgroups (up)
      K/V ring     pk_smem_base; pk_ring<STAGES>: Q's and each stage's K and V full / free mbarriers,
-                  the producer's loop, the consumers' waits and releases
-     Roles        pk_specialise: a producer warpgroup and two consumer warpgroups */
+                  run (init, then the roles), produce (the producer's loop), wait_q / wait_k / wait_v
+                  and free_k / free_v (the consumers' side) */
 
 #ifndef PICTOR_SM90_PIPELINE_CUH
 #define PICTOR_SM90_PIPELINE_CUH

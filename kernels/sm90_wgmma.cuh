@@ -9,7 +9,8 @@
                     pk_wgmma_n128_s8_ss                            int8 x int8 -> s32 (exact)
                     pk_wgmma_n128_e4m3_rs, pk_wgmma_n8_e4m3_rs     FP8 E4M3, f32 accumulators
                   KIND 1 is bfloat16, 2 float16; B is K-major unless said otherwise.
-   The accumulators are the asm operands: PK_ACCn names n of them in the instruction, PK_Fn (f32) and
+   Their asm text is built by PK_WGMMA (and PK_WGMMA_16BIT, which picks the 16-bit dtype): the
+   accumulators are the first asm operands, PK_ACCn names n of them in the instruction, PK_Fn (f32) and
    PK_Rn (s32) bind them, read and written. */
 
 #ifndef PICTOR_SM90_WGMMA_CUH
