@@ -13,9 +13,10 @@
    small) folded into O with one IEEE FFMA per element: O = O corr + PV.
    Scales: q and k carry 2^eq, 2^ek per (batch, head), folded into the logit
    factor scale_log2 2^-(eq + ek); v carries 2^ev[d] per channel, and p 2^8,
-   both undone on the output. Warp-specialised like flash_attn_wgmma.cu: a
-   producer warpgroup (one thread) issues TMA copies into a two-stage ring of
-   K and V tiles; two consumer warpgroups own 64 query rows each.
+   both undone on the output. Warp-specialised like flash_attn_wgmma.cu, on
+   sm90_pipeline.cuh and sm90_wgmma.cuh: a producer warpgroup (one thread) issues
+   TMA copies into a two-stage ring of K and V tiles; two consumer warpgroups own
+   64 query rows each.
 
    Launch geometry (X3_D, X3_OUT_KIND, X3_BQ, X3_BK, X3_STAGES, X3_THREADS and
    X3_SMEM_BYTES come from the host as -D; static_asserts check them):

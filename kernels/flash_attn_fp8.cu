@@ -1,7 +1,8 @@
 /* flash_attn_fp8.cu: 8-bit joint attention on Hopper tensor cores (pictor-diffusers).
 
    Algorithm: flash-attention forward, non-causal (key padding in the
-   F8_KEY_LENS=1 build), with flash_attn_wgmma.cu's warp-specialised schedule:
+   F8_KEY_LENS=1 build), with flash_attn_wgmma.cu's warp-specialised schedule
+   (on sm90_pipeline.cuh and sm90_wgmma.cuh):
    a TMA producer warpgroup, two consumer warpgroups of 64 query rows that
    issue S_j = Q K_j^T and P_{j-1} V_{j-1} back to back, then tile j's
    softmax (written to run while P.V is in flight, but ptxas places the P.V

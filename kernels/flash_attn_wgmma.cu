@@ -15,6 +15,8 @@
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then run
        tile j's softmax while the P.V product is still in flight, so the
        exponentials overlap the tensor cores.
+   The producer, the ring and the roles are sm90_pipeline.cuh's, the products
+   sm90_wgmma.cuh's; this file holds the tile copies, the main loop and the store.
 
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them

@@ -10,6 +10,7 @@
   by ptxas where it is on PATH and takes NVRTC's PTX, else from NVRTC's own
   cubin by cuobjdump.
 * The wgmma cubins are complete ELFs whose SASS holds HGMMA (IGMMA and QGMMA for fp8) and no local memory.
+* Every `#include` of a source or header names one of `sources.HEADERS`, which NVRTC gets in memory.
 
 Tests skip with the reason when CuPy (NVRTC) or the tools a check needs are absent.
 """
