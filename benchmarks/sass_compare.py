@@ -118,6 +118,7 @@ def dump(tree: Path, dest: Path) -> None:
             stem.with_suffix(suffix).write_text(out.replace(str(cubin), "<cubin>"), encoding="utf-8")
         print(f"compiled {build}", flush=True)
     (dest / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True), encoding="utf-8")
+    (dest / "nvrtc.txt").write_text(version, encoding="utf-8")
 
 
 def _run_dump(tree: Path, dest: Path) -> dict[str, str]:
@@ -171,6 +172,7 @@ def compare(base: str, record: Path | None) -> int:
         "work_tree_clean_in_kernels": not _git("status", "--porcelain", "--", "kernels"),
         "work_kernels_digest": _kernels_digest(ROOT),
         "tools": {
+            "nvrtc": (after_dir / "nvrtc.txt").read_text(encoding="utf-8"),
             "cuobjdump": subprocess.run([_tool("cuobjdump"), "--version"], capture_output=True, text=True)
             .stdout.strip()
             .splitlines()[-1],
