@@ -6,7 +6,7 @@
   the shared header, the options, the arch and the NVRTC version, and checked
   (SHA-256, ELF structure) before they are handed out.
 
-The shared header `kernels/common.cuh` reaches NVRTC in memory, so no include
+The shared headers (`sources.HEADERS`, roles in `kernels/common.cuh`) reach NVRTC in memory, so no include
 path is needed.
 """
 
