@@ -210,14 +210,11 @@ def attention(
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
     out_dtype = query.dtype if out_dtype is None else out_dtype
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    else:
-        check_scale(scale)
-        scale = float(scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    check_scale(scale)
+    scale = float(scale)
     check_flag("return_lse", return_lse)
     check_kernel_choice(kernel, query.dtype, out_dtype)
-    check_scale(scale)
     if needs_op(query, key, value):
         name = DTYPE_NAMES[out_dtype]
         op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
