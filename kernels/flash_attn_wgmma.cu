@@ -23,34 +23,37 @@
    against this kernel's own formulas; WG_STAGES is the one free choice):
        grid  = (ceil(seq_q / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
-       dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes at WG_STAGES = 3
-       (224 KiB of tiles, 1 KiB of alignment slack, 104 bytes of mbarriers):
-           Q tile, WG_STAGES x (K tile, V tile), 128 x 128 16-bit each, stored
-           as two 64-column slabs of 128-byte rows in TMA's 128-byte swizzle;
-           then the mbarriers.
-   Matrix products: wgmma.mma_async m64n128k16, f32 accumulators.
+       dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes at WG_D = 128 and
+       WG_STAGES = 3 (224 KiB of tiles, 1 KiB of alignment slack, 104 bytes of
+       mbarriers; 115,816 bytes at WG_D = 64):
+           Q tile, WG_STAGES x (K tile, V tile), 128 x WG_D 16-bit each, stored
+           as WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
+           swizzle; then the mbarriers.
+   Matrix products: wgmma.mma_async, f32 accumulators; m64n128k16 for S and
+   m64n{WG_D}k16 for O.
        S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
        O += P V  : A = P, packed to 16 bits from the S accumulators (their
                    layout is the A-fragment layout); B = V read transposed
                    (MN-major descriptor: the 64-column slabs are LBO apart).
 
    Layout:
-       q, k, v : 16-bit [batch][num_heads][rows][128] with any strides the
+       q, k, v : 16-bit [batch][num_heads][rows][WG_D] with any strides the
                  host can encode (each a multiple of 16 bytes, head_dim
                  contiguous): head-major [B, H, N, D] or the token-major
                  [B, N, H, D] diffusers' dispatcher passes, read in place.
-                 Three rank-4 tensor maps of a window of rows (dims 128,
+                 Three rank-4 tensor maps of a window of rows (dims WG_D,
                  num_heads, seq_q or seq_k, batch; box 64 x 1 x 128 x 1;
                  128-byte swizzle); rows past the window are zero-filled by
                  the copy engine, and keys >= seq_k masked
-       out     : token-major [batch, out_pitch, num_heads * 128], same dtype,
+       out     : token-major [batch, out_pitch, num_heads * WG_D], same dtype,
                  offset by the host to the window's first row
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
                  batch b attends its first key_lens[b] keys (attention_io.cuh)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
-   FlashAttention); the output is rounded once, to nearest even. Needs sm_90a. */
+   FlashAttention); the output is rounded once, to nearest even. WG_D is 64
+   or 128. Needs sm_90a. */
 
 #include "attention_io.cuh"
 #include "sm90_pipeline.cuh"
@@ -64,15 +67,17 @@
 #if !defined(WG_KEY_LENS)
 #error "flash_attn_wgmma.cu needs -D WG_KEY_LENS=0 or 1 from the host"
 #endif
-#if WG_D != 128
-#error "the wgmma kernel is built for head_dim 128 only"
+#if WG_D != 64 && WG_D != 128
+#error "the wgmma kernel is built for head_dim 64 or 128"
 #endif
 #if WG_IN_KIND != 1 && WG_IN_KIND != 2
 #error "WG_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
+#define WG_SLABS (WG_D / 64)                 /* 64-column slabs per 128-row tile */
 #define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
-#define WG_TILE_BYTES (2 * WG_SLAB_BYTES)    /* 128 rows x 128 columns */
+#define WG_TILE_BYTES (WG_SLABS * WG_SLAB_BYTES)    /* 128 rows x WG_D columns */
+#define WG_O_REGS (WG_D / 2)                 /* a consumer thread's output accumulators */
 #define WG_BARRIER_BYTES (8 * (1 + 4 * WG_STAGES))
 static_assert(WG_BQ == 128 && WG_BK == 128,
               "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
@@ -83,18 +88,20 @@ static_assert(WG_SMEM_BYTES == 1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_B
               "WG_SMEM_BYTES disagrees with the kernel's Q | K stages | V stages | mbarriers");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
-/* Both slabs of a 128 x 128 tile, completing on `bar`. */
+/* Every slab of a 128 x WG_D tile, completing on `bar`. */
 __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_map* map, int row, int head,
                                              int batch, unsigned int bar)
 {
     pk_bar_expect_bytes(bar, WG_TILE_BYTES);
-    pk_copy_box(dst, map, 0, head, row, batch, bar);
-    pk_copy_box(dst + WG_SLAB_BYTES, map, 64, head, row, batch, bar);
+    #pragma unroll
+    for (int slab = 0; slab < WG_SLABS; slab++) {
+        pk_copy_box(dst + slab * WG_SLAB_BYTES, map, 64 * slab, head, row, batch, bar);
+    }
 }
 
 /* ---- wgmma ---- */
 
-/* S = Q K^T for one warpgroup: 8 k-steps of 16 columns, 4 per slab. */
+/* S = Q K^T for one warpgroup: WG_D / 16 k-steps of 16 columns, 4 per slab. */
 __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsigned int k_tile)
 {
     const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
@@ -106,13 +113,18 @@ __device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsig
     pk_wgmma_commit();
 }
 
-/* O += P V: 8 k-steps of 16 keys; the two 64-column slabs of V are LBO apart. */
+/* O += P V: 8 k-steps of 16 keys; V's 64-column slabs (two at head_dim 128) are LBO apart. */
 __device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, unsigned int v_tile)
 {
     const unsigned long long b = pk_wgmma_desc(v_tile, WG_SLAB_BYTES, 1024);
     #pragma unroll
     for (int kk = 0; kk < WG_BK / 16; kk++) {
-        pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, pk_desc_advance(b, kk * 16 * 128), 1);
+        const unsigned long long b_kk = pk_desc_advance(b, kk * 16 * 128);
+        if constexpr (WG_D == 128) {
+            pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, b_kk, 1);
+        } else {
+            pk_wgmma_n64_rs<WG_IN_KIND>(o, p + 4 * kk, b_kk, 1);
+        }
     }
     pk_wgmma_commit();
 }
@@ -166,12 +178,12 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     const unsigned int t = threadIdx.x & 3u;
     const unsigned int q_rows = m.q() + rows0 * 128;               /* 128-byte rows in each slab */
 
-    float o[64], s[64], corr[2];
+    float o[WG_O_REGS], s[64], corr[2];
     unsigned int p[32];
     float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
     float l_run[2] = {0.f, 0.f};
     #pragma unroll
-    for (int i = 0; i < 64; i++) o[i] = 0.f;
+    for (int i = 0; i < WG_O_REGS; i++) o[i] = 0.f;
 
     m.wait_q();
     m.wait_k(0, 0);
@@ -189,7 +201,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         m.wait_k(st, j);
         m.wait_v(prev, j - 1);
         pk_pin<64>(s);
-        pk_pin<64>(o);
+        pk_pin<WG_O_REGS>(o);
         pk_wgmma_fence();
         wg_issue_qk(s, q_rows, m.k(st));
         wg_issue_pv(o, p, m.v(prev));
@@ -199,18 +211,18 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq_k, t);
         pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
         pk_wgmma_wait<0>();
-        pk_pin<64>(o);
+        pk_pin<WG_O_REGS>(o);
         m.free_v(prev);
         pk_rescale<WG_D / 8>(o, corr);
         wg_pack_p(p, s);
     }
     const unsigned int last = n_tiles - 1;
     m.wait_v(last % WG_STAGES, last);
-    pk_pin<64>(o);
+    pk_pin<WG_O_REGS>(o);
     pk_wgmma_fence();
     wg_issue_pv(o, p, m.v(last % WG_STAGES));
     pk_wgmma_wait<0>();
-    pk_pin<64>(o);
+    pk_pin<WG_O_REGS>(o);
 
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
@@ -223,7 +235,7 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * WG_D + 2 * t;
         if (t == 0) pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r], l);
         #pragma unroll
-        for (int n = 0; n < 16; n++) {
+        for (int n = 0; n < WG_D / 8; n++) {
             pk_store2<WG_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
         }
     }

@@ -5,7 +5,7 @@
      Products     one warpgroup, m64, A (64 rows) from shared memory (_ss) or registers (_rs);
                   `accumulate` 0 overwrites the accumulators (scale-d 0):
                     pk_wgmma_n128_ss<KIND>, pk_wgmma_n64_ss<KIND>  16-bit, f32 accumulators
-                    pk_wgmma_n128_rs<KIND>                         16-bit, B MN-major (transposed)
+                    pk_wgmma_n128_rs<KIND>, pk_wgmma_n64_rs<KIND>  16-bit, B MN-major (transposed)
                     pk_wgmma_n128_s8_ss                            int8 x int8 -> s32 (exact)
                     pk_wgmma_n128_e4m3_rs, pk_wgmma_n8_e4m3_rs     FP8 E4M3, f32 accumulators
                   KIND 1 is bfloat16, 2 float16; B is K-major unless said otherwise.
@@ -96,6 +96,15 @@ __device__ __forceinline__ void pk_wgmma_n128_rs(float* acc, const unsigned int*
 {
     PK_WGMMA_16BIT(KIND, 69, "m64n128k16", PK_ACC64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1",
                    PK_F64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+/* acc[0..31] (+)= A B, m64n64k16: A (64 x 16) from registers in the wgmma A-fragment layout,
+   B (16 x 64) from shared memory, MN-major (transposed). */
+template <int KIND>
+__device__ __forceinline__ void pk_wgmma_n64_rs(float* acc, const unsigned int* a, unsigned long long b, int accumulate)
+{
+    PK_WGMMA_16BIT(KIND, 37, "m64n64k16", PK_ACC32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1",
+                   PK_F32(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 /* s[0..63] (+)= A B^T on int8 codes, m64n128k32, A and B from shared memory, s32 accumulators. */

@@ -82,8 +82,9 @@ class KernelSpec:
             the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row of
             the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
-        beats_sdpa_on: for the 16-bit family, the compute capabilities on which it was measured at
-            least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA can serve.
+        beats_sdpa_on: for the 16-bit family, the (compute capability, head_dim) pairs at which it was
+            measured at least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA
+            can serve.
             None (the parity path) means everywhere: SDPA has no f32-accurate fast path.
     """
 
@@ -108,7 +109,7 @@ class KernelSpec:
     scalars: tuple[str, ...] = ("heads", "seq_q", "seq_k", "q_pitch", "kv_pitch", "out_pitch", "scale_log2")
     exact_capability: tuple[int, int] | None = None
     arch_suffix: str = ""
-    beats_sdpa_on: tuple[tuple[int, int], ...] | None = None
+    beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
     def writes(self, in_dtype: str) -> tuple[str, ...]:
         """The output dtypes it writes for `in_dtype` inputs."""
@@ -145,14 +146,14 @@ KERNELS: tuple[KernelSpec, ...] = (
         entry="joint_attention_wgmma",
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
-        **_WARP_SPECIALISED,
+        **{**_WARP_SPECIALISED, "head_dims": (64, 128)},
         shared_bytes=lambda d: 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3),
         prefix="WG_",
         geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=MAP_SCALARS,
-        beats_sdpa_on=((9, 0),),
+        beats_sdpa_on=(((9, 0), 128),),
     ),
     KernelSpec(
         name="fp8",

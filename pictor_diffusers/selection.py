@@ -83,7 +83,7 @@ def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec | None, 
     own = [spec for spec in KERNELS if spec.family == family]
     if family != "16bit":
         return [(spec, False) for spec in own]
-    tuned = [spec for spec in own if problem.capability in (spec.beats_sdpa_on or ())]
+    tuned = [spec for spec in own if (problem.capability, problem.head_dim) in (spec.beats_sdpa_on or ())]
     rest = [(spec, False) for spec in own if spec not in tuned]
     upcast = [(spec, True) for spec in KERNELS if spec.family == "fp32"]
     return [*((spec, False) for spec in tuned), (None, False), *rest, *upcast]

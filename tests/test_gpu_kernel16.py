@@ -41,6 +41,8 @@ SHAPES = [
     (2, 3, 77, 128),
     (1, 4, 1000, 64),
     (2, 5, 4097, 128),
+    (2, 5, 4097, 64),
+    (1, 24, 1536, 64),
 ]
 CASES = [(kernel, shape) for kernel in KERNEL_HEAD_DIMS for shape in SHAPES if shape[3] in KERNEL_HEAD_DIMS[kernel]]
 Shape = tuple[int, int, int, int]

@@ -41,7 +41,7 @@ CASES = [
     (("bfloat16", None, 128, H200, True, True), ("wgmma", False, 128, "bfloat16")),
     # 16-bit calls no kernel was measured faster on go to SDPA, unless they need the LSE
     (("bfloat16", None, 64, H200, True), SDPA_PICK),
-    (("bfloat16", None, 64, H200, True, True), ("mma16", False, 64, "bfloat16")),
+    (("bfloat16", None, 64, H200, True, True), ("wgmma", False, 64, "bfloat16")),
     (("bfloat16", None, 128, A100, True), SDPA_PICK),
     (("bfloat16", None, 128, A100, True, True), ("mma16", False, 128, "bfloat16")),
     (("float16", None, 128, L4, True), SDPA_PICK),
@@ -90,7 +90,7 @@ def test_a_named_kernel_is_honoured_where_sdpa_is_preferred() -> None:
 def test_rejections_explain_themselves() -> None:
     selection = select_kernel(problem("bfloat16", 96, T4, lse=True))
     reasons = dict(selection.rejected)
-    assert "head_dim in (128,), got 96" in reasons["wgmma"]
+    assert "head_dim in (64, 128), got 96" in reasons["wgmma"]
     assert "head_dim in (64, 128), got 96" in reasons["mma16"]
     assert "compute capability (8, 0)+, the device has (7, 5)" in reasons["tf32x3 (upcast)"]
     assert selection.variant.spec.name == "f32"
@@ -142,7 +142,8 @@ def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: b
         assert in_dtype == "float32" or lse, "a plain 16-bit call SDPA serves was refused"
         assert re.search(r"f32( \(upcast\))?: needs 98304 bytes of shared memory per block", str(error))
         return
-    tuned = [s for s in KERNELS if s.family == "16bit" and given.capability in (s.beats_sdpa_on or ())]
+    measured = (given.capability, head_dim)
+    tuned = [s for s in KERNELS if s.family == "16bit" and measured in (s.beats_sdpa_on or ())]
     runs_tuned = any(blocker(s, given) is None for s in tuned)
     if selection.delegate is not None:
         assert in_dtype != "float32" and not lse and not runs_tuned and selection.variant is None
