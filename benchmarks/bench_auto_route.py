@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pictor_diffusers import attention
-from pictor_diffusers.plan import cannot_run
+from pictor_diffusers.cuda.plan import cannot_run
 from pictor_diffusers.testing.timing import median_ms
 
 SHAPES = [(1, 24, 4608, 64), (2, 24, 4429, 64), (1, 32, 6144, 64), (1, 24, 4608, 128), (2, 24, 8192, 128)]

@@ -22,9 +22,9 @@ from diffusers import FluxTransformer2DModel
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor, FluxPosEmbed
 
-import pictor_diffusers.ops as ops_module
+import pictor_diffusers.ops.attention as ops_module
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.prologue import apply_rope
+from pictor_diffusers.ops.prologue import apply_rope
 from pictor_diffusers.testing.models import TINY_FLUX1_CONFIG
 
 TINY_FLUX1 = {**TINY_FLUX1_CONFIG, "num_attention_heads": 3}

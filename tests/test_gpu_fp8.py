@@ -15,12 +15,12 @@ import torch
 from launch_counts import count_launches
 
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.geometry import Geometry, Window
-from pictor_diffusers.launch import attention_cuda
-from pictor_diffusers.ops import windowed_attention
-from pictor_diffusers.plan import cannot_run
-from pictor_diffusers.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
-from pictor_diffusers.quantized import quantize, workspace_layout
+from pictor_diffusers.cuda.geometry import Geometry, Window
+from pictor_diffusers.cuda.launch import attention_cuda
+from pictor_diffusers.cuda.plan import cannot_run
+from pictor_diffusers.cuda.quantized import quantize, workspace_layout
+from pictor_diffusers.ops.attention import windowed_attention
+from pictor_diffusers.ops.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
 from pictor_diffusers.testing.quant_study import error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64, lse_float64, random_qkv

@@ -41,7 +41,7 @@ TF32X3_CASES = [(1, 3, 77, 32), (2, 5, 300, 96), (1, 4, 129, 64)]
 
 def _run_kernel(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """One launch of `kernel` ("f32", "tf32x3" or "fp16x3") into a NaN-poisoned float32 output."""
-    from pictor_diffusers.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import attention_cuda
 
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
@@ -108,7 +108,7 @@ def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
 @pytest.mark.parametrize("kernel", ["tf32x3", "fp16x3"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_tensor_core_kernels_round_once_into_16bit(kernel: str, out_dtype: torch.dtype) -> None:
-    from pictor_diffusers.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import attention_cuda
 
     query, key, value = random_qkv(2, 6, 1000, 128, seed=13)
     out = torch.full((2, 1000, 768), float("nan"), device="cuda", dtype=out_dtype)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import attention
-from pictor_diffusers.launch import attention_cuda
-from pictor_diffusers.plan import cannot_run
-from pictor_diffusers.registry import BY_NAME
+from pictor_diffusers.cuda.launch import attention_cuda
+from pictor_diffusers.cuda.plan import cannot_run
+from pictor_diffusers.cuda.registry import BY_NAME
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -288,8 +288,8 @@ def test_strided_inputs(kernel: str, shape: Shape, dtype: torch.dtype, layout: s
 def test_windows_handed_to_sdpa_fill_one_output(dtype: torch.dtype) -> None:
     """A windowed call "auto" hands to SDPA (head_dim 64) writes each window's rows of one output, as
     SDPA on that window's slices gives them."""
-    from pictor_diffusers.geometry import Window
-    from pictor_diffusers.ops import windowed_attention
+    from pictor_diffusers.cuda.geometry import Window
+    from pictor_diffusers.ops.attention import windowed_attention
 
     query, key, value = qkv16((2, 3, 301, 64), dtype, seed=29)
     if expected_auto_kernel(query) != "sdpa":

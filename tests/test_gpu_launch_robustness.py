@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from pictor_diffusers import attention, launch, plan, runtime
+from pictor_diffusers import attention
+from pictor_diffusers.cuda import launch, plan, runtime
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu

@@ -76,8 +76,8 @@ def test_key_lens_is_checked() -> None:
 @pytest.mark.parametrize(("kernel", "dtype", "bound", "lse_bound"), KERNELS, ids=[f"{k[0]}-{k[1]}" for k in KERNELS])
 @pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k", "counts"), CASES, ids=CASE_IDS)
 def test_cuda_kernels(batch, heads, seq_q, seq_k, counts, kernel: str, dtype, bound: float, lse_bound: float) -> None:
-    from pictor_diffusers.launch import attention_cuda
-    from pictor_diffusers.plan import cannot_run
+    from pictor_diffusers.cuda.launch import attention_cuda
+    from pictor_diffusers.cuda.plan import cannot_run
 
     query, key, value = _inputs(batch, heads, seq_q, seq_k, 128, dtype, "cuda")
     out_dtype = query.dtype

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_NAMES
 from . import runtime, tensor_maps
-from .dtypes import DTYPE_NAMES
 from .geometry import Geometry, Window
 from .plan import AttentionPlan, plan_attention
+from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
 from .registry import KernelSpec, Variant, prologue_variant, split_variant
-from .validation import PrologueLayout
 
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
@@ -229,7 +229,7 @@ def qkv_prologue_cuda(
     layout: PrologueLayout, out_dtype: torch.dtype = torch.float32, gap_at: int = 0, kv_gap: int = 0,
     one_allocation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Run `qkv_prologue` on projections `validation.prologue_layout` accepted.
+    """Run `qkv_prologue` on projections `prologue_layout.prologue_layout` accepted.
 
     Returns q, k, v: new contiguous tensors in `out_dtype` (float32, bfloat16 or
     float16), q `[B, H, N, D]`, k and v `[B, H, N + kv_gap, D]` whose rows from token

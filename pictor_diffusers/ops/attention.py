@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from ..cuda.geometry import Window
+from ..cuda.launch import run
+from ..cuda.plan import plan_attention
+from ..cuda.registry import BY_NAME, eight_bit_kernels
+from ..dtypes import DTYPE_NAMES, DTYPES
 from .custom_ops import inference_op, needs_op
-from .dtypes import DTYPE_NAMES, DTYPES
-from .geometry import Window
-from .launch import run
-from .plan import plan_attention
 from .quant_reference import kernel_twin
 from .reference import online_softmax_attention
-from .registry import BY_NAME, eight_bit_kernels
 from .validation import check_attention_inputs, check_flag, check_kernel_choice, check_key_lens, check_scale
 
 EIGHT_BIT = eight_bit_kernels()
@@ -176,7 +176,7 @@ def attention(
         out_dtype: float32 inputs: float32 (default), bfloat16 or float16, the
             f32 result rounded once. 16-bit inputs: None or the input dtype.
         kernel: "auto", or a kernel of the inputs' family in the registry
-            (`pictor_diffusers.registry.KERNELS`). float32 inputs (the parity
+            (`pictor_diffusers.cuda.registry.KERNELS`). float32 inputs (the parity
             path): "fp16x3" (Hopper: scaled fp16 hi/lo splits, three wgmma
             products), "tf32x3" (3xTF32 on mma.sync, sm_80+) or "f32" (the
             scalar-FP32 reference). bfloat16 / float16 inputs (the fast path): "wgmma"
@@ -188,7 +188,7 @@ def attention(
         key_lens: None, or int32 `[B]` on the inputs' device: batch b attends only its first
             `key_lens[b]` keys (values are clamped to [0, Nk], on the device, with no host sync).
             A key-padding mask becomes this by moving each batch's kept keys to the front
-            (`pictor_diffusers.backend_call` does so for diffusers' masks). A batch with no keys
+            (`pictor_diffusers.integration.dispatcher_call` does so for diffusers' masks). A batch with no keys
             gets outputs of 0 and LSE -inf.
 
     Returns:
@@ -204,8 +204,8 @@ def attention(
     the family that can run the inputs (`selection.select_kernel`); 16-bit
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
-    (`pictor_diffusers.reference`); "fp8" runs its quantised twin
-    (`pictor_diffusers.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
+    (`pictor_diffusers.ops.reference`); "fp8" runs its quantised twin
+    (`pictor_diffusers.ops.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
     """
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
