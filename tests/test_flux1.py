@@ -90,14 +90,14 @@ def attention_modules(model: torch.nn.Module) -> int:
 def count_pictor_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Count runs of pictor's attention implementation (the kernels, or their CPU twin)."""
     calls = [0]
-    original = ops_module._attention_impl
+    original = ops_module._attend
 
     def counting(*args: object) -> torch.Tensor:
         calls[0] += 1
         return original(*args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ops_module, "_attention_impl", counting)
+        patch.setattr(ops_module, "_attend", counting)
         yield calls
 
 

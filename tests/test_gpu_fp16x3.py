@@ -26,11 +26,12 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the fp16x3 kernel needs
 
 
 def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    from pictor_diffusers.cuda.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import plan_attention
 
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
-    return attention_cuda(query, key, value, head_dim**-0.5, "fp16x3", torch.float32, out=out)
+    return run(plan_attention(query, key, value, head_dim**-0.5, "fp16x3", torch.float32, out=out))
 
 
 def _sdpa_fp32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

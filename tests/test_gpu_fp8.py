@@ -16,8 +16,8 @@ from launch_counts import count_launches
 
 from pictor_diffusers import PictorAttn, attention
 from pictor_diffusers.cuda.geometry import Geometry, Window
-from pictor_diffusers.cuda.launch import attention_cuda
-from pictor_diffusers.cuda.plan import cannot_run
+from pictor_diffusers.cuda.launch import run
+from pictor_diffusers.cuda.plan import cannot_run, plan_attention
 from pictor_diffusers.cuda.quantized import quantize, workspace_layout
 from pictor_diffusers.ops.attention import windowed_attention
 from pictor_diffusers.ops.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
@@ -61,7 +61,7 @@ def _skip_unless_runs(*tensors: torch.Tensor) -> None:
 def _poisoned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
     batch, heads, seq_q, head_dim = q.shape
     out = torch.full((batch, seq_q, heads * head_dim), float("nan"), dtype=q.dtype, device=q.device)
-    return attention_cuda(q, k, v, head_dim**-0.5, "fp8", q.dtype, out=out, **kwargs)
+    return run(plan_attention(q, k, v, head_dim**-0.5, "fp8", q.dtype, out=out, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)

@@ -46,13 +46,14 @@ def _inputs(batch: int, heads: int, seq_q: int, seq_k: int, dtype: torch.dtype, 
 
 
 def _launch(kernel: str, query, key, value, window=None):
-    from pictor_diffusers.cuda.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import plan_attention
 
     batch, heads, seq_q, head_dim = query.shape
     out_dtype = torch.float32 if query.dtype == torch.float32 else query.dtype
     out = torch.full((batch, seq_q, heads * head_dim), float("nan"), device="cuda", dtype=out_dtype)
     lse = torch.full((batch, seq_q, heads), float("nan"), device="cuda")
-    attention_cuda(query, key, value, head_dim**-0.5, kernel, out_dtype, out=out, lse=lse, window=window)
+    run(plan_attention(query, key, value, head_dim**-0.5, kernel, out_dtype, out=out, lse=lse, window=window))
     torch.cuda.synchronize()
     return out, lse
 

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from ..cuda.registry import KERNEL_CHOICES, MAX_HEAD_DIM, kernels_for
+from ..cuda.registry import MAX_HEAD_DIM
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 
 _MAX_GRID_YZ = 65535
@@ -114,31 +114,6 @@ def _check_extents(batch: int, heads: int, seq: int, head_dim: int) -> None:
 
 
 OUT_DTYPE_CHOICES = COMPUTE_DTYPES
-_VALID_CHOICES = {
-    (kernel, in_dtype, out_dtype)
-    for in_dtype, name in DTYPE_NAMES.items()
-    for kernel in kernels_for(name)
-    for out_dtype in (OUT_DTYPE_CHOICES if in_dtype == torch.float32 else (in_dtype,))
-}
-
-
-def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
-    """Raise ValueError unless `kernel` takes `in_dtype` inputs and can write `out_dtype`.
-
-    f32 inputs: "auto" or an fp32-family kernel of the registry, any of the three out dtypes.
-    bf16/fp16 inputs: "auto", a 16-bit-family kernel or an 8-bit one ("fp8"), out dtype = input dtype.
-    """
-    if (kernel, in_dtype, out_dtype) in _VALID_CHOICES:
-        return
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
-    if out_dtype not in OUT_DTYPE_CHOICES:
-        raise ValueError(f"out_dtype must be one of {OUT_DTYPE_CHOICES}, got {out_dtype}")
-    family = kernels_for(DTYPE_NAMES[in_dtype])
-    if kernel not in family:
-        raise ValueError(f"kernel={kernel!r} does not take {in_dtype} inputs; choose one of {family}")
-    if in_dtype != torch.float32 and out_dtype != in_dtype:
-        raise ValueError(f"the 16-bit kernels write their input dtype {in_dtype}, got out_dtype={out_dtype}")
 
 
 _F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
