@@ -1,6 +1,7 @@
 """The pure choice among the registry's kernels.
 
-`select_kernel` answers "which kernel runs this problem, and why not the
+`check_kernel_choice` says whether a `kernel=` name fits the inputs' dtypes (at the public boundary, for CPU
+and CUDA calls alike). `select_kernel` answers "which kernel runs this problem, and why not the
 others" (or that torch's SDPA runs a 16-bit call faster here) from plain
 facts (`Problem`: dtypes, head_dim, device capability and limits; no GPU, no
 tensors), so it is tested on CPU for every combination.
