@@ -75,11 +75,11 @@ def speed_rows(table: dict[str, Method]) -> list[dict]:
 
 def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The 8-bit call's two stages on these inputs: the prepass, and the kernel on operands prepared once."""
-    from pictor_diffusers import runtime
-    from pictor_diffusers.geometry import Geometry
-    from pictor_diffusers.launch import _signature
-    from pictor_diffusers.plan import resolve
-    from pictor_diffusers.quantized import quantize, quantized_operands
+    from pictor_diffusers.cuda import runtime
+    from pictor_diffusers.cuda.geometry import Geometry
+    from pictor_diffusers.cuda.launch import _signature
+    from pictor_diffusers.cuda.plan import resolve
+    from pictor_diffusers.cuda.quantized import quantize, quantized_operands
 
     batch, heads, seq, head_dim = q.shape
     variant = resolve("fp8", q.dtype, q.dtype, head_dim, q.device.index, True).variant

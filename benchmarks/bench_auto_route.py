@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pictor_diffusers import attention
-from pictor_diffusers.plan import cannot_run
+from pictor_diffusers.cuda.plan import cannot_run
 from pictor_diffusers.testing.timing import median_ms
 
 SHAPES = [

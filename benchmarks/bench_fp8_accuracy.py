@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pictor_diffusers import attention
-from pictor_diffusers.quant_reference import kernel_twin
+from pictor_diffusers.ops.quant_reference import kernel_twin
 from pictor_diffusers.testing.quant_study import error_metrics, study_inputs
 from pictor_diffusers.testing.references import rel_l2
 

@@ -97,7 +97,7 @@ def host_us_per_call(run: object, calls: int = 2000, batches: int = 20) -> float
 def per_call_prologue_overhead(precision_dtype: torch.dtype, norm_dtype: torch.dtype = torch.float32) -> float:
     """Host µs per `pack_head_major` call: bf16 projections of 8 text + 56 image tokens, 2 heads of 128;
     QK-norm weights in `norm_dtype` (a bf16 model's are bf16, and the kernel reads float32 weights)."""
-    from pictor_diffusers.prologue import Segment, pack_head_major
+    from pictor_diffusers.ops.prologue import Segment, pack_head_major
 
     heads, head_dim = 2, 128
     norms = [torch.nn.RMSNorm(head_dim, eps=1e-6).to("cuda", norm_dtype) for _ in range(4)]

@@ -23,8 +23,8 @@ python3 -m pytest -q -rs -x $corrupt_targets > "$OUT/pytest_corrupt_cache.log" 2
 echo "corrupted cache: rc=$? $(tail -1 "$OUT/pytest_corrupt_cache.log") [$SECONDS s]"
 python3 - <<'PY'
 import hashlib, os, pathlib
-from pictor_diffusers.cubin_cache import TRAILER
-from pictor_diffusers.nvrtc import elf_problem
+from pictor_diffusers.cuda.cubin_cache import TRAILER
+from pictor_diffusers.cuda.nvrtc import elf_problem
 entries = sorted(pathlib.Path(os.environ["PICTOR_CACHE_DIR"]).glob("*.cubin"))
 whole = 0
 for path in entries:

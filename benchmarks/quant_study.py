@@ -1,4 +1,4 @@
-"""CPU accuracy study of the planned 8-bit Hopper attention (`pictor_diffusers.quant_reference`).
+"""CPU accuracy study of the planned 8-bit Hopper attention (`pictor_diffusers.ops.quant_reference`).
 
 Each scheme's error against float64 SDPA on the same float32 inputs, for the three input sets of
 `study_inputs` (N(0, 1); K with a 5-sigma per-channel offset; q and k x4; and, beyond the issue's three,
@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from pictor_diffusers.quant_reference import int8_fp8_attention
+from pictor_diffusers.ops.quant_reference import int8_fp8_attention
 from pictor_diffusers.testing.quant_study import bf16_path_attention, error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64
 

@@ -19,8 +19,8 @@ import argparse
 import torch
 
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.plan import cannot_run
-from pictor_diffusers.registry import eight_bit_kernels, kernels_for
+from pictor_diffusers.cuda.plan import cannot_run
+from pictor_diffusers.cuda.registry import eight_bit_kernels, kernels_for
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 

@@ -7,15 +7,15 @@ pipe.transformer.set_attn_processor(PictorAttn(precision="fp8"))   # 8-bit path 
 pipe.transformer.set_attention_backend("pictor")                   # any model on diffusers' dispatcher
 
 Importing the package registers the "pictor", "pictor_bf16" and "pictor_fp16"
-attention backends with diffusers (`pictor_diffusers.backend`).
+attention backends with diffusers (`pictor_diffusers.integration.backend`).
 """
 
-from .backend import register_backends
+from .integration.backend import register_backends
 
 register_backends()  # first: before the imports below load diffusers' models (DIFFUSERS_ATTN_BACKEND=pictor)
 
-from .ops import attention  # noqa: E402
-from .processor import PictorAttn  # noqa: E402
+from .integration.processor import PictorAttn  # noqa: E402
+from .ops.attention import attention  # noqa: E402
 
 __all__ = ["PictorAttn", "__version__", "attention", "register_backends"]
 __version__ = "0.2.0"

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import cubin_cache
+from .cuda import cubin_cache
 
 
 def _folders() -> list[Path]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pictor_diffusers.cubin_cache import CACHE_ENV, TRAILER
+from pictor_diffusers.cuda.cubin_cache import CACHE_ENV, TRAILER
 
 BUILT = b"\x7fELF\x02 built"
 PLANTED = b"\x7fELF\x02 planted"

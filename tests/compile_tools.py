@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pictor_diffusers.registry import Variant
+from pictor_diffusers.cuda.registry import Variant
 
 
 def _cupy_importable() -> bool:
@@ -28,7 +28,7 @@ needs_cupy = pytest.mark.skipif(
 
 @functools.cache
 def ptx_for(variant: Variant, arch: str) -> str:
-    from pictor_diffusers.nvrtc import compile_ptx
+    from pictor_diffusers.cuda.nvrtc import compile_ptx
 
     return compile_ptx(variant, arch)
 
@@ -102,7 +102,7 @@ def sass_tool() -> list[str] | None:
 def cubin_resources(variant: Variant, arch: str, tmp_path: Path) -> dict[str, int]:
     """`parse_resources`' keys for the NVRTC cubin of `variant` on `arch`, read by `cuobjdump -res-usage`
     (for machines without ptxas; a spill shows as a stack frame, so the spill counts read 0)."""
-    from pictor_diffusers.nvrtc import compile_cubin
+    from pictor_diffusers.cuda.nvrtc import compile_cubin
 
     cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:

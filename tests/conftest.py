@@ -40,9 +40,9 @@ def restore_diffusers_active_backend() -> Iterator[None]:
 def forget_one_time_warnings() -> None:
     """pictor warns once per reason per process (backend fallbacks, unknown diffusers layouts): start each
     test with none given, so each test sees the warnings it causes."""
-    from pictor_diffusers import backend_call
+    from pictor_diffusers.integration import dispatcher_call
 
-    backend_call._WARNED.clear()
+    dispatcher_call._WARNED.clear()
 
 
 Report = pytest.TestReport | pytest.CollectReport

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pictor_diffusers import launch
+from pictor_diffusers.cuda import launch
 
 
 def count_launches(monkeypatch: pytest.MonkeyPatch, family: str) -> list[int]:

@@ -21,14 +21,14 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
-import pictor_diffusers.adapters.base as adapters_base
+import pictor_diffusers.integration.adapters.base as adapters_base
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.adapters import Adapter, Attend, Call, adapter_for, register_adapter
-from pictor_diffusers.adapters.flux1 import Flux1Adapter
-from pictor_diffusers.adapters.flux2_double import Flux2DoubleAdapter
-from pictor_diffusers.adapters.flux2_single import Flux2SingleAdapter
-from pictor_diffusers.adapters.joint import JointAdapter, JointLayout
-from pictor_diffusers.prologue import Segment
+from pictor_diffusers.integration.adapters import Adapter, Attend, Call, adapter_for, register_adapter
+from pictor_diffusers.integration.adapters.flux1 import Flux1Adapter
+from pictor_diffusers.integration.adapters.flux2_double import Flux2DoubleAdapter
+from pictor_diffusers.integration.adapters.flux2_single import Flux2SingleAdapter
+from pictor_diffusers.integration.adapters.joint import JointAdapter, JointLayout
+from pictor_diffusers.ops.prologue import Segment
 
 HEADS, HEAD_DIM, WIDTH = 3, 16, 40
 F32_REL_L2_TOL = 1e-5

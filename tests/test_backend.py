@@ -26,7 +26,7 @@ from diffusers.models import attention_dispatch as dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend, dispatch_attention_fn
 from test_flux1 import attention_modules, build_flux1, count_pictor_calls, flux1_inputs, rel_l2
 
-from pictor_diffusers.backend import BACKENDS
+from pictor_diffusers.integration.backend import BACKENDS
 
 Registry = dispatch._AttentionBackendRegistry
 NAMES = list(BACKENDS)

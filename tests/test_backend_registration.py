@@ -22,7 +22,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName
 from test_backend import NAMES, qkv, sdpa64
 from test_flux1 import rel_l2
 
-import pictor_diffusers.backend_call as backend_call
+import pictor_diffusers.integration.dispatcher_call as dispatcher_call
 from pictor_diffusers import register_backends
 
 Registry = dispatch._AttentionBackendRegistry
@@ -52,7 +52,7 @@ def fake_registry(names: type[enum.Enum], takes_cp_flag: bool = True, native: bo
 
     def add(backend: enum.Enum, constraints: list | None, func: object) -> object:
         registry._backends[backend], registry._constraints[backend] = func, constraints or []
-        registry._supported_arg_names[backend] = backend_call.parameters(func)
+        registry._supported_arg_names[backend] = dispatcher_call.parameters(func)
         return func
 
     def register(backend: enum.Enum, constraints: list | None = None, supports_context_parallel: bool = False):

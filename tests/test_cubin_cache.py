@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from cache_helpers import BUILT, PLANTED, Build, entry, is_valid, mode, needs_non_root, plant, stored, use_folders
 
-from pictor_diffusers import cubin_cache
-from pictor_diffusers.cubin_cache import CACHE_ENV, UnsafeCacheError, cache_dir, cached_binary, fallback_dir
+from pictor_diffusers.cuda import cubin_cache
+from pictor_diffusers.cuda.cubin_cache import CACHE_ENV, UnsafeCacheError, cache_dir, cached_binary, fallback_dir
 
 pytestmark = pytest.mark.skipif(not cubin_cache.SUPPORTED, reason="POSIX ownership and directory descriptors")
 

@@ -12,9 +12,9 @@ import pytest
 from cache_helpers import BUILT, OTHER_UID, PLANTED, Build, entry, is_valid, mode, needs_root, plant, stored
 from cache_helpers import use_folders as use_test_folders
 
-from pictor_diffusers import cubin_cache, runtime
-from pictor_diffusers.cubin_cache import CACHE_ENV, UnsafeCacheError, cached_binary
-from pictor_diffusers.registry import BY_NAME, variants
+from pictor_diffusers.cuda import cubin_cache, runtime
+from pictor_diffusers.cuda.cubin_cache import CACHE_ENV, UnsafeCacheError, cached_binary
+from pictor_diffusers.cuda.registry import BY_NAME, variants
 
 pytestmark = pytest.mark.skipif(not cubin_cache.SUPPORTED, reason="POSIX ownership and directory descriptors")
 

@@ -22,9 +22,9 @@ from diffusers import FluxTransformer2DModel
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor, FluxPosEmbed
 
-import pictor_diffusers.ops as ops_module
+import pictor_diffusers.ops.attention as ops_module
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.prologue import apply_rope
+from pictor_diffusers.ops.prologue import apply_rope
 from pictor_diffusers.testing.models import TINY_FLUX1_CONFIG
 
 TINY_FLUX1 = {**TINY_FLUX1_CONFIG, "num_attention_heads": 3}
@@ -90,14 +90,14 @@ def attention_modules(model: torch.nn.Module) -> int:
 def count_pictor_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Count runs of pictor's attention implementation (the kernels, or their CPU twin)."""
     calls = [0]
-    original = ops_module._attention_impl
+    original = ops_module._attend
 
     def counting(*args: object) -> torch.Tensor:
         calls[0] += 1
         return original(*args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ops_module, "_attention_impl", counting)
+        patch.setattr(ops_module, "_attend", counting)
         yield calls
 
 

@@ -29,7 +29,8 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.transformers.transformer_flux import FluxAttention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pictor_diffusers import PictorAttn, launch
+from pictor_diffusers import PictorAttn
+from pictor_diffusers.cuda import launch
 from pictor_diffusers.testing.models import (
     build_flux1_transformer,
     flux1_transformer_inputs,
@@ -203,7 +204,7 @@ def token_major_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Seeded N(0, 1) bf16 q `[B, Nq, 4, 128]`, k, v `[B, Nk, 4, 128]` on CUDA and their head-major contiguous
     copies; skips when `kernel` cannot run them here."""
-    from pictor_diffusers.plan import cannot_run
+    from pictor_diffusers.cuda.plan import cannot_run
 
     generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
     query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).bfloat16()

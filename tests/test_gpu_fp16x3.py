@@ -26,11 +26,12 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the fp16x3 kernel needs
 
 
 def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    from pictor_diffusers.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import plan_attention
 
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
-    return attention_cuda(query, key, value, head_dim**-0.5, "fp16x3", torch.float32, out=out)
+    return run(plan_attention(query, key, value, head_dim**-0.5, "fp16x3", torch.float32, out=out))
 
 
 def _sdpa_fp32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -104,8 +105,8 @@ def test_a_zero_head_and_tiny_and_huge_heads() -> None:
 @pytest.mark.parametrize("seq", [64, 1000])
 def test_split_planes_hold_22_bits(seq: int) -> None:
     """hi + lo = x 2^e to 2^-22 relative; e puts each group's max |x| in [2^14, 2^15)."""
-    from pictor_diffusers.geometry import Geometry
-    from pictor_diffusers.launch import split_planes
+    from pictor_diffusers.cuda.geometry import Geometry
+    from pictor_diffusers.cuda.launch import split_planes
 
     query, key, value = random_qkv(2, 3, seq, 128, seed=seq)
     value = value * torch.logspace(-3, 3, 128, device="cuda")

@@ -15,12 +15,12 @@ import torch
 from launch_counts import count_launches
 
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.geometry import Geometry, Window
-from pictor_diffusers.launch import attention_cuda
-from pictor_diffusers.ops import windowed_attention
-from pictor_diffusers.plan import cannot_run
-from pictor_diffusers.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
-from pictor_diffusers.quantized import quantize, workspace_layout
+from pictor_diffusers.cuda.geometry import Geometry, Window
+from pictor_diffusers.cuda.launch import run
+from pictor_diffusers.cuda.plan import cannot_run, plan_attention
+from pictor_diffusers.cuda.quantized import quantize, workspace_layout
+from pictor_diffusers.ops.attention import windowed_attention
+from pictor_diffusers.ops.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
 from pictor_diffusers.testing.quant_study import error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64, lse_float64, random_qkv
@@ -61,7 +61,7 @@ def _skip_unless_runs(*tensors: torch.Tensor) -> None:
 def _poisoned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
     batch, heads, seq_q, head_dim = q.shape
     out = torch.full((batch, seq_q, heads * head_dim), float("nan"), dtype=q.dtype, device=q.device)
-    return attention_cuda(q, k, v, head_dim**-0.5, "fp8", q.dtype, out=out, **kwargs)
+    return run(plan_attention(q, k, v, head_dim**-0.5, "fp8", q.dtype, out=out, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)

@@ -41,11 +41,12 @@ TF32X3_CASES = [(1, 3, 77, 32), (2, 5, 300, 96), (1, 4, 129, 64)]
 
 def _run_kernel(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """One launch of `kernel` ("f32", "tf32x3" or "fp16x3") into a NaN-poisoned float32 output."""
-    from pictor_diffusers.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import plan_attention
 
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device="cuda")
-    result = attention_cuda(query, key, value, head_dim**-0.5, kernel, torch.float32, out=out)
+    result = run(plan_attention(query, key, value, head_dim**-0.5, kernel, torch.float32, out=out))
     assert result.data_ptr() == out.data_ptr(), "the kernel did not write the given output"
     return result
 
@@ -108,11 +109,12 @@ def test_large_logits(kernel: str, shape: tuple[int, int, int, int]) -> None:
 @pytest.mark.parametrize("kernel", ["tf32x3", "fp16x3"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_tensor_core_kernels_round_once_into_16bit(kernel: str, out_dtype: torch.dtype) -> None:
-    from pictor_diffusers.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import plan_attention
 
     query, key, value = random_qkv(2, 6, 1000, 128, seed=13)
     out = torch.full((2, 1000, 768), float("nan"), device="cuda", dtype=out_dtype)
-    attention_cuda(query, key, value, 128**-0.5, kernel, out_dtype, out=out)
+    run(plan_attention(query, key, value, 128**-0.5, kernel, out_dtype, out=out))
     expected = attention_float64(query, key, value).to(out_dtype)
     assert not out.isnan().any()
     one_ulp = expected.float().abs() * torch.finfo(out_dtype).eps + 1e-7

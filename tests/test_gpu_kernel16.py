@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import attention
-from pictor_diffusers.launch import attention_cuda
-from pictor_diffusers.plan import cannot_run
-from pictor_diffusers.registry import BY_NAME
+from pictor_diffusers.cuda.launch import run
+from pictor_diffusers.cuda.plan import cannot_run, plan_attention
+from pictor_diffusers.cuda.registry import BY_NAME
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -69,7 +69,7 @@ def launch(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """One direct launch of `kernel` into a NaN-poisoned `[B, N, H*D]` output of the inputs' dtype."""
     batch, heads, seq, head_dim = query.shape
     out = torch.full((batch, seq, heads * head_dim), float("nan"), device=query.device, dtype=query.dtype)
-    result = attention_cuda(query, key, value, head_dim**-0.5, kernel, query.dtype, out=out)
+    result = run(plan_attention(query, key, value, head_dim**-0.5, kernel, query.dtype, out=out))
     assert result.data_ptr() == out.data_ptr(), "the kernel did not write into the given out"
     return out
 
@@ -279,7 +279,7 @@ def test_strided_inputs(kernel: str, shape: Shape, dtype: torch.dtype, layout: s
     out = torch.full_like(expected, float("nan"))
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    attention_cuda(*strided, shape[3] ** -0.5, kernel, dtype, out=out)
+    run(plan_attention(*strided, shape[3] ** -0.5, kernel, dtype, out=out))
     allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
     assert torch.equal(out, expected), f"{kernel} {layout}: differs from the contiguous inputs' result"
     in_place = kernel == "wgmma" and layout != "unaligned"
@@ -290,8 +290,8 @@ def test_strided_inputs(kernel: str, shape: Shape, dtype: torch.dtype, layout: s
 def test_windows_handed_to_sdpa_fill_one_output(dtype: torch.dtype) -> None:
     """A windowed call "auto" hands to SDPA (head_dim 64) writes each window's rows of one output, as
     SDPA on that window's slices gives them."""
-    from pictor_diffusers.geometry import Window
-    from pictor_diffusers.ops import windowed_attention
+    from pictor_diffusers.cuda.geometry import Window
+    from pictor_diffusers.ops.attention import windowed_attention
 
     query, key, value = qkv16((2, 3, 301, 64), dtype, seed=29)
     if expected_auto_kernel(query) != "sdpa":

@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from pictor_diffusers import attention, launch, plan, runtime
+from pictor_diffusers import attention
+from pictor_diffusers.cuda import launch, plan, runtime
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +61,7 @@ def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: py
     hopper = torch.cuda.get_device_capability() == (9, 0)
     with pytest.warns(RuntimeWarning, match="could not be prepared") if hopper else contextlib.nullcontext():
         out, _ = attention(query, key, value, return_lse=True)
-    expected = launch.attention_cuda(query, key, value, 128**-0.5, "mma16", torch.bfloat16)
+    expected = launch.run(plan.plan_attention(query, key, value, 128**-0.5, "mma16", torch.bfloat16))
     assert torch.equal(out, expected)
     plain = torch.nn.functional.scaled_dot_product_attention(query, key, value)
     assert torch.equal(attention(query, key, value), plain.transpose(1, 2).reshape(out.shape))
@@ -78,4 +79,4 @@ def test_misaligned_out_is_refused(dtype: torch.dtype) -> None:
     out = storage[1:].view(batch, seq, heads * head_dim)
     kernel = "tf32x3" if dtype == torch.float32 else "mma16"
     with pytest.raises(ValueError, match="out must be 16-byte aligned"):
-        launch.attention_cuda(query, key, value, head_dim**-0.5, kernel, dtype, out=out)
+        launch.run(plan.plan_attention(query, key, value, head_dim**-0.5, kernel, dtype, out=out))

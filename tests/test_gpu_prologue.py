@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pictor_diffusers.launch import qkv_prologue_cuda
-from pictor_diffusers.prologue import pack_head_major_torch
-from pictor_diffusers.validation import prologue_layout, prologue_layout_problem
+from pictor_diffusers.cuda.launch import qkv_prologue_cuda
+from pictor_diffusers.cuda.prologue_layout import prologue_layout, prologue_layout_problem
+from pictor_diffusers.ops.prologue import pack_head_major_torch
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,8 @@ import resource
 import pytest
 import torch
 
-from pictor_diffusers import attention, tensor_maps
+from pictor_diffusers import attention
+from pictor_diffusers.cuda import tensor_maps
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -30,7 +30,7 @@ LENGTHS = [(1, 3, 200, 1000), (2, 2, 1000, 77), (1, 2, 129, 1), (1, 4, 1536, 256
 
 
 def _skip_unless_runs(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    from pictor_diffusers.plan import cannot_run
+    from pictor_diffusers.cuda.plan import cannot_run
 
     out_dtype = torch.float32 if query.dtype == torch.float32 else query.dtype
     reason = cannot_run(kernel, query, key, value, out_dtype)
@@ -46,13 +46,14 @@ def _inputs(batch: int, heads: int, seq_q: int, seq_k: int, dtype: torch.dtype, 
 
 
 def _launch(kernel: str, query, key, value, window=None):
-    from pictor_diffusers.launch import attention_cuda
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import plan_attention
 
     batch, heads, seq_q, head_dim = query.shape
     out_dtype = torch.float32 if query.dtype == torch.float32 else query.dtype
     out = torch.full((batch, seq_q, heads * head_dim), float("nan"), device="cuda", dtype=out_dtype)
     lse = torch.full((batch, seq_q, heads), float("nan"), device="cuda")
-    attention_cuda(query, key, value, head_dim**-0.5, kernel, out_dtype, out=out, lse=lse, window=window)
+    run(plan_attention(query, key, value, head_dim**-0.5, kernel, out_dtype, out=out, lse=lse, window=window))
     torch.cuda.synchronize()
     return out, lse
 
@@ -75,7 +76,7 @@ def test_unequal_lengths_and_lse(kernel: str, dtype: torch.dtype, bound: float, 
 def test_window_writes_only_its_rows(kernel: str, dtype: torch.dtype, bound: float) -> None:
     """Query rows [3, 150) over keys [40, 700) of a 300 x 1000 problem (the klein-KV extract step's
     "reference queries see reference keys" without copies)."""
-    from pictor_diffusers.geometry import Window
+    from pictor_diffusers.cuda.geometry import Window
 
     query, key, value = _inputs(2, 3, 300, 1000, dtype, seed=11)
     _skip_unless_runs(kernel, query, key, value)

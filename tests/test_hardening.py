@@ -13,9 +13,10 @@ import pytest
 import torch
 from cache_helpers import BUILT, Build, entry, is_valid, plant, use_folders
 
-from pictor_diffusers import attention, cache, cubin_cache, plan, runtime
-from pictor_diffusers.kv_cache import KvRequest, kv_attention
-from pictor_diffusers.validation import MAX_PLANES, MAX_SEQ
+from pictor_diffusers import attention, cache
+from pictor_diffusers.cuda import cubin_cache, plan, runtime
+from pictor_diffusers.integration.kv_cache import KvRequest, kv_attention
+from pictor_diffusers.ops.validation import MAX_PLANES, MAX_SEQ
 
 
 def expanded(batch: int, heads: int, seq: int, head_dim: int = 8) -> torch.Tensor:

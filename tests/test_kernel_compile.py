@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from compile_tools import cubin_resources, needs_cupy, parse_resources, ptx_for, ptxas_report, sass_tool, spills
 
-from pictor_diffusers.registry import (
+from pictor_diffusers.cuda.registry import (
     BY_NAME,
     KERNELS,
     PROLOGUE,
@@ -125,7 +125,7 @@ def test_defines_reach_nvrtc() -> None:
 
 def _compile_log(variant: Variant, options: tuple[str, ...]) -> str:
     """NVRTC's error log for `variant` built with `options` instead of its own ('' if it compiles)."""
-    from pictor_diffusers import nvrtc
+    from pictor_diffusers.cuda import nvrtc
 
     class Edited(Variant):
         def options(self) -> tuple[str, ...]:
@@ -187,7 +187,7 @@ WGMMA = variants(BY_NAME["wgmma"]) + variants(BY_NAME["fp16x3"]) + variants(BY_N
 @needs_cupy
 @pytest.mark.parametrize("variant", WGMMA, ids=[v.name for v in WGMMA])
 def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
-    from pictor_diffusers.nvrtc import compile_cubin
+    from pictor_diffusers.cuda.nvrtc import compile_cubin
 
     cubin = compile_cubin(variant, variant.arch((9, 0)))
     assert cubin[:4] == b"\x7fELF", "compile_cubin did not return an ELF cubin"
@@ -208,7 +208,7 @@ def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
 
 @needs_cupy
 def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pictor_diffusers import cubin_cache, nvrtc
+    from pictor_diffusers.cuda import cubin_cache, nvrtc
 
     monkeypatch.setenv(cubin_cache.CACHE_ENV, str(tmp_path / "cache"))
     variant = variants(BY_NAME["mma16"])[0]
@@ -225,7 +225,7 @@ def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_sources_hold_the_entries() -> None:
-    from pictor_diffusers.sources import read_source
+    from pictor_diffusers.cuda.sources import read_source
 
     for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
         source = read_source(spec.source)
@@ -239,7 +239,7 @@ def _includes(text: str) -> list[str]:
 def test_headers_are_the_ones_nvrtc_gets() -> None:
     """Every `#include "..."` of a source or header is one of `HEADERS` (what NVRTC gets in memory), every header
     is included by some source, and each guards itself."""
-    from pictor_diffusers.sources import HEADERS, kernels_dir, read_source
+    from pictor_diffusers.cuda.sources import HEADERS, kernels_dir, read_source
 
     on_disk = sorted(path.name for path in kernels_dir().glob("*.cuh"))
     assert sorted(HEADERS) == on_disk, "HEADERS and the .cuh files of kernels/ differ"

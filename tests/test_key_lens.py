@@ -76,8 +76,8 @@ def test_key_lens_is_checked() -> None:
 @pytest.mark.parametrize(("kernel", "dtype", "bound", "lse_bound"), KERNELS, ids=[f"{k[0]}-{k[1]}" for k in KERNELS])
 @pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k", "counts"), CASES, ids=CASE_IDS)
 def test_cuda_kernels(batch, heads, seq_q, seq_k, counts, kernel: str, dtype, bound: float, lse_bound: float) -> None:
-    from pictor_diffusers.launch import attention_cuda
-    from pictor_diffusers.plan import cannot_run
+    from pictor_diffusers.cuda.launch import run
+    from pictor_diffusers.cuda.plan import cannot_run, plan_attention
 
     query, key, value = _inputs(batch, heads, seq_q, seq_k, 128, dtype, "cuda")
     out_dtype = query.dtype
@@ -87,7 +87,7 @@ def test_cuda_kernels(batch, heads, seq_q, seq_k, counts, kernel: str, dtype, bo
     out = torch.full((batch, seq_q, heads * 128), SENTINEL, device="cuda", dtype=out_dtype)
     lse = torch.full((batch, seq_q, heads), SENTINEL, device="cuda")
     key_lens = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    attention_cuda(query, key, value, 128**-0.5, kernel, out_dtype, out=out, lse=lse, key_lens=key_lens)
+    run(plan_attention(query, key, value, 128**-0.5, kernel, out_dtype, out=out, lse=lse, key_lens=key_lens))
     torch.cuda.synchronize()
     assert not (out == SENTINEL).any() and not (lse == SENTINEL).any(), "rows left unwritten"
     _check(out, lse, query, key, value, counts, bound, lse_bound)

@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pictor_diffusers.processor as processor_module
+import pictor_diffusers.integration.processor as processor_module
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.prologue import Segment, pack_head_major, pack_head_major_torch
-from pictor_diffusers.reference import online_softmax_attention
+from pictor_diffusers.ops.prologue import Segment, pack_head_major, pack_head_major_torch
+from pictor_diffusers.ops.reference import online_softmax_attention
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 
 Shape = tuple[int, int, int, int]

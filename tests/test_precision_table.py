@@ -1,4 +1,4 @@
-"""One precision table (`pictor_diffusers.precision`) behind `PictorAttn(precision=...)` and the backends."""
+"""One precision table (`pictor_diffusers.integration.precision`) behind `PictorAttn(precision=...)` and backends."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.backend import BACKENDS
-from pictor_diffusers.precision import BACKEND_PRECISIONS, PRECISIONS, compute_dtype, resolve_kernel
-from pictor_diffusers.registry import eight_bit_kernels
+from pictor_diffusers.cuda.registry import eight_bit_kernels
+from pictor_diffusers.integration.backend import BACKENDS
+from pictor_diffusers.integration.precision import BACKEND_PRECISIONS, PRECISIONS, compute_dtype, resolve_kernel
 
 EXPECTED_BACKENDS = {
     "pictor": (torch.float32, "auto"),

@@ -23,7 +23,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention
 
-import pictor_diffusers.processor as processor_module
+import pictor_diffusers.integration.processor as processor_module
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, set_stock_processors, transformer_inputs
 

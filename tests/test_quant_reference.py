@@ -23,8 +23,9 @@ from functools import cache, partial
 import pytest
 import torch
 
-import pictor_diffusers.quant_reference as quant_reference
-from pictor_diffusers.quant_reference import (
+import pictor_diffusers.ops.quant_reference as quant_reference
+from pictor_diffusers.cuda.sources import read_source
+from pictor_diffusers.ops.quant_reference import (
     FP8_MAX,
     KERNEL_RESCALE_SLACK,
     KERNEL_SCHEME,
@@ -38,8 +39,7 @@ from pictor_diffusers.quant_reference import (
     to_e4m3,
     truncate_mantissa,
 )
-from pictor_diffusers.reference import online_softmax_attention
-from pictor_diffusers.sources import read_source
+from pictor_diffusers.ops.reference import online_softmax_attention
 from pictor_diffusers.testing.quant_study import bf16_path_attention, error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64, rel_l2
 

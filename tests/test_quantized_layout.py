@@ -1,4 +1,4 @@
-"""The 8-bit prepass's workspace and the byte tensor maps of its codes (`pictor_diffusers.quantized`), on CPU:
+"""The 8-bit prepass's workspace and the byte tensor maps of its codes (`pictor_diffusers.cuda.quantized`), on CPU:
 offsets, sizes and the planes handed to the driver, for shapes that are not multiples of the tiles."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from pictor_diffusers import quantized, tensor_maps
-from pictor_diffusers.geometry import Geometry
+from pictor_diffusers.cuda import quantized, tensor_maps
+from pictor_diffusers.cuda.geometry import Geometry
 
 SHAPES = [(1, 24, 4608, 4608), (2, 3, 77, 1000), (3, 5, 1, 1), (2, 2, 300, 129)]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pictor_diffusers import attention
-from pictor_diffusers.reference import CPU_TILE_KEYS, online_softmax_attention
+from pictor_diffusers.ops.reference import CPU_TILE_KEYS, online_softmax_attention
 from pictor_diffusers.testing.references import attention_float64, lse_float64
 
 Shape = tuple[int, int, int, int]

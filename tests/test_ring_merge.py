@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pictor_diffusers import attention
-from pictor_diffusers.ring import merge_partial
+from pictor_diffusers.integration.ring import merge_partial
 from pictor_diffusers.testing.references import attention_float64, lse_float64
 
 # device, kernel, input dtype, output max-abs bound against float64.
@@ -45,7 +45,7 @@ def _merged(query: torch.Tensor, shards: list[tuple[torch.Tensor, torch.Tensor]]
 def test_merged_shards_equal_attention_over_all_keys(
     device: str, kernel: str, dtype: torch.dtype, bound: float, batch: int, heads: int, seq_q: int, lengths: tuple
 ) -> None:
-    from pictor_diffusers.plan import cannot_run
+    from pictor_diffusers.cuda.plan import cannot_run
 
     generator = torch.Generator(device=device).manual_seed(seq_q + sum(lengths))
     query = torch.randn(batch, heads, seq_q, 128, device=device, generator=generator).to(dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pictor_diffusers.tensor_maps import Planes, readable, rows_of
+from pictor_diffusers.cuda.tensor_maps import Planes, readable, rows_of
 
 SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 1, 1, 128)]  # N 77: not a multiple of the 128-row box
 

@@ -17,7 +17,7 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2Attention, Flux2ParallelSelfAttention
 
 from pictor_diffusers import PictorAttn, attention
-from pictor_diffusers.runtime import import_cupy
+from pictor_diffusers.cuda.runtime import import_cupy
 
 Shape = tuple[int, int, int, int]
 
@@ -292,7 +292,7 @@ def _prologue_args(text_batch: int = 2) -> tuple[list[torch.Tensor], list[torch.
 
 
 def test_prologue_blocker_accepts_a_valid_layout() -> None:
-    from pictor_diffusers.validation import prologue_layout_problem
+    from pictor_diffusers.cuda.prologue_layout import prologue_layout_problem
 
     projections, weights, rope = _prologue_args()
     assert prologue_layout_problem(projections, weights, rope, [1e-6] * 4) is None
@@ -311,7 +311,7 @@ def test_prologue_blocker_accepts_a_valid_layout() -> None:
 )
 def test_prologue_blocker_refuses_inconsistent_shapes(break_it, reason: str) -> None:
     """The kernel trusts these shapes; the blocker hands such calls to torch, which raises or copes."""
-    from pictor_diffusers.validation import prologue_layout_problem
+    from pictor_diffusers.cuda.prologue_layout import prologue_layout_problem
 
     projections, weights, rope = _prologue_args()
     break_it(projections, weights, rope)
@@ -323,7 +323,7 @@ def test_norm_params_read_a_parametrized_weight() -> None:
     """A weight computed by a parametrization is not in `_parameters`: it is read through the module."""
     from torch.nn.utils import parametrize
 
-    from pictor_diffusers.prologue import norm_params
+    from pictor_diffusers.ops.prologue import norm_params
 
     class Double(torch.nn.Module):
         def forward(self, weight: torch.Tensor) -> torch.Tensor:
@@ -359,7 +359,7 @@ PROLOGUE_LAYOUTS = {
 @pytest.mark.parametrize("name", list(PROLOGUE_LAYOUTS))
 def test_prologue_fast_layout_agrees_with_the_detailed_checks(name: str) -> None:
     """`prologue_layout` (read once, used for the launch) accepts exactly what the detailed checks accept."""
-    from pictor_diffusers.validation import prologue_layout, prologue_layout_problem
+    from pictor_diffusers.cuda.prologue_layout import prologue_layout, prologue_layout_problem
 
     projections, weights, rope = PROLOGUE_LAYOUTS[name]()
     eps = [1e-6] * len(weights)
@@ -371,7 +371,7 @@ def test_prologue_fast_layout_agrees_with_the_detailed_checks(name: str) -> None
 
 def test_prologue_layout_holds_the_kernel_arguments() -> None:
     """Pointers in kernel order, row/batch strides in elements; one segment is an empty text part."""
-    from pictor_diffusers.validation import prologue_layout
+    from pictor_diffusers.cuda.prologue_layout import prologue_layout
 
     text, image = _fused_projections(2, 5), _fused_projections(2, 7)
     _, weights, rope = _prologue_args()

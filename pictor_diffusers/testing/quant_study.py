@@ -1,7 +1,7 @@
 """The 8-bit quantisation study's support: its inputs, error metrics and the bf16 path's torch model.
 
 `benchmarks/quant_study.py`, `bench_fp8_accuracy.py` and the 8-bit tests compare the schemes of
-`pictor_diffusers.quant_reference` with these; nothing here runs in the plugin.
+`pictor_diffusers.ops.quant_reference` with these; nothing here runs in the plugin.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from ..quant_reference import K_TILE, LOG2E
+from ..ops.quant_reference import K_TILE, LOG2E
 from .references import max_abs, rel_l2
 
 InputSet = Literal["normal", "k_offset", "peaky", "v_offset"]

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_NAMES
 from . import runtime, tensor_maps
-from .dtypes import DTYPE_NAMES
 from .geometry import Geometry, Window
-from .plan import AttentionPlan, plan_attention
+from .plan import AttentionPlan
+from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
 from .registry import KernelSpec, Variant, prologue_variant, split_variant
-from .validation import PrologueLayout
 
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
@@ -29,23 +29,6 @@ _SCALAR_TYPES = {
     "heads": _U32, "seq_q": _U32, "seq_k": _U32, "q_pitch": _U32, "kv_pitch": _U32, "out_pitch": _U32,
     "head_dim": _U32, "scale": _F32, "scale_log2": _F32,
 }  # fmt: skip
-
-
-def attention_cuda(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    kernel: str,
-    out_dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    window: Window | None = None,
-    key_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of validated CUDA inputs, token-major `[B, Nq, H*D]` in `out_dtype`: `run` of the plan
-    `plan.plan_attention` resolves for them (see it for the arguments)."""
-    return run(plan_attention(query, key, value, scale, kernel, out_dtype, out, lse, window, key_lens))
 
 
 def run(plan: AttentionPlan) -> torch.Tensor:
@@ -96,6 +79,7 @@ def launch_attention(
     """Launch an attention `variant` on inputs and an output it accepts (see `selection.blocker`),
     for the rows of `window` (and `key_lens` keys of each batch, if given)."""
     spec = variant.spec
+    signature = _signature(spec)
     batch, heads, seq_q, head_dim = query.shape
     q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
     size = query.element_size()
@@ -129,7 +113,7 @@ def launch_attention(
         variant.grid(batch, heads, q_count),
         spec.threads,
         spec.shared_bytes(head_dim),
-        _signature(spec),
+        signature,
         operands + tuple(scalars[name] for name in spec.scalars),
     )
 
@@ -229,7 +213,7 @@ def qkv_prologue_cuda(
     layout: PrologueLayout, out_dtype: torch.dtype = torch.float32, gap_at: int = 0, kv_gap: int = 0,
     one_allocation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Run `qkv_prologue` on projections `validation.prologue_layout` accepted.
+    """Run `qkv_prologue` on projections `prologue_layout.prologue_layout` accepted.
 
     Returns q, k, v: new contiguous tensors in `out_dtype` (float32, bfloat16 or
     float16), q `[B, H, N, D]`, k and v `[B, H, N + kv_gap, D]` whose rows from token

@@ -13,32 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from ..cuda.geometry import Window
+from ..cuda.launch import run
+from ..cuda.plan import plan_attention
+from ..cuda.selection import check_kernel_choice
+from ..dtypes import DTYPE_NAMES, DTYPES
 from .custom_ops import inference_op, needs_op
-from .dtypes import DTYPE_NAMES, DTYPES
-from .geometry import Window
-from .launch import run
-from .plan import plan_attention
-from .quant_reference import kernel_twin
-from .reference import online_softmax_attention
-from .registry import BY_NAME, eight_bit_kernels
-from .validation import check_attention_inputs, check_flag, check_kernel_choice, check_key_lens, check_scale
-
-EIGHT_BIT = eight_bit_kernels()
+from .reference import twin_attention
+from .validation import check_attention_inputs, check_flag, check_key_lens, check_scale
 
 
-def _twin(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str,
-    return_lse: bool = False, key_lens: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The 8-bit kernel's CPU twin (`kernel_twin`), refusing what the kernel refuses: a head_dim outside
-    its registry row's."""
-    head_dims = BY_NAME[kernel].head_dims
-    if query.shape[-1] not in head_dims:
-        raise ValueError(f"kernel={kernel!r} takes head_dim {head_dims}, got head_dim={query.shape[-1]}")
-    return kernel_twin(query, key, value, scale, return_lse=return_lse, key_lens=key_lens)
-
-
-def _attention_impl(
+def _attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -46,37 +31,18 @@ def _attention_impl(
     kernel: str,
     out_dtype: torch.dtype,
     key_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Validated inputs -> token-major `[B, Nq, H*D]` in `out_dtype`: the CUDA kernels, or the CPU twin."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Checked inputs -> token-major `[B, Nq, H*D]` in `out_dtype` (with `return_lse`, and each row's natural
+    log-sum-exp, `[B, Nq, H]` float32): on CUDA the run of the plan that `cuda.plan` resolves, elsewhere the
+    kernel's CPU twin."""
     if query.device.type == "cuda":
-        return run(plan_attention(query, key, value, scale, kernel, out_dtype, key_lens=key_lens))
-    if kernel in EIGHT_BIT:
-        return _twin(query, key, value, scale, kernel, key_lens=key_lens).to(out_dtype)
-    upcast = tuple(t.float() for t in (query, key, value))
-    return online_softmax_attention(*upcast, scale, key_lens=key_lens).to(out_dtype)
-
-
-def _attention_lse_impl(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    kernel: str,
-    out_dtype: torch.dtype,
-    key_lens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_attention_impl` plus each row's natural log-sum-exp, `[B, Nq, H]` float32."""
-    batch, heads, seq_q, _ = query.shape
-    if query.device.type == "cuda":
-        lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device)
+        batch, heads, seq_q, _ = query.shape
+        lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device) if return_lse else None
         plan = plan_attention(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens)
-        return run(plan), lse
-    if kernel in EIGHT_BIT:
-        out, lse = _twin(query, key, value, scale, kernel, return_lse=True, key_lens=key_lens)
-        return out.to(out_dtype), lse
-    upcast = tuple(t.float() for t in (query, key, value))
-    out, lse = online_softmax_attention(*upcast, scale, return_lse=True, key_lens=key_lens)
-    return out.to(out_dtype), lse
+        out = run(plan)
+        return (out, lse) if return_lse else out
+    return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
 
 
 def _validated(
@@ -121,7 +87,7 @@ def _attention_op(
     key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _validated(query, key, value, scale, kernel, out_dtype, key_lens)
-    return _attention_impl(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens)
+    return _attend(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens)
 
 
 def _attention_lse_op_fake(
@@ -150,7 +116,7 @@ def _attention_lse_op(
     key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _validated(query, key, value, scale, kernel, out_dtype, key_lens)
-    return _attention_lse_impl(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens)
+    return _attend(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens, return_lse=True)
 
 
 def attention(
@@ -176,7 +142,7 @@ def attention(
         out_dtype: float32 inputs: float32 (default), bfloat16 or float16, the
             f32 result rounded once. 16-bit inputs: None or the input dtype.
         kernel: "auto", or a kernel of the inputs' family in the registry
-            (`pictor_diffusers.registry.KERNELS`). float32 inputs (the parity
+            (`pictor_diffusers.cuda.registry.KERNELS`). float32 inputs (the parity
             path): "fp16x3" (Hopper: scaled fp16 hi/lo splits, three wgmma
             products), "tf32x3" (3xTF32 on mma.sync, sm_80+) or "f32" (the
             scalar-FP32 reference). bfloat16 / float16 inputs (the fast path): "wgmma"
@@ -188,7 +154,7 @@ def attention(
         key_lens: None, or int32 `[B]` on the inputs' device: batch b attends only its first
             `key_lens[b]` keys (values are clamped to [0, Nk], on the device, with no host sync).
             A key-padding mask becomes this by moving each batch's kept keys to the front
-            (`pictor_diffusers.backend_call` does so for diffusers' masks). A batch with no keys
+            (`pictor_diffusers.integration.dispatcher_call` does so for diffusers' masks). A batch with no keys
             gets outputs of 0 and LSE -inf.
 
     Returns:
@@ -204,8 +170,8 @@ def attention(
     the family that can run the inputs (`selection.select_kernel`); 16-bit
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
-    (`pictor_diffusers.reference`); "fp8" runs its quantised twin
-    (`pictor_diffusers.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
+    (`pictor_diffusers.ops.reference`); "fp8" runs its quantised twin
+    (`pictor_diffusers.ops.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
     """
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
@@ -219,9 +185,7 @@ def attention(
         name = DTYPE_NAMES[out_dtype]
         op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
         return op(query, key, value, scale, kernel, name, key_lens)
-    if return_lse:
-        return _attention_lse_impl(query, key, value, scale, kernel, out_dtype, key_lens)
-    return _attention_impl(query, key, value, scale, kernel, out_dtype, key_lens)
+    return _attend(query, key, value, scale, kernel, out_dtype, key_lens, return_lse)
 
 
 def windowed_attention(

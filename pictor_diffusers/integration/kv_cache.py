@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .geometry import Window
-from .ops import attention, windowed_attention
+from ..cuda.geometry import Window
+from ..ops.attention import attention, windowed_attention
 
 MODES = ("extract", "cached")
 

@@ -12,7 +12,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from ..prologue import Segment
+from ...ops.prologue import Segment
 from .base import Adapter, Attend, Call, Output
 
 

@@ -16,10 +16,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..cuda.launch import qkv_prologue_cuda
+from ..cuda.prologue_layout import prologue_layout
+from ..dtypes import DTYPE_NAMES, DTYPES
 from .custom_ops import inference_op, needs_op
-from .dtypes import DTYPE_NAMES, DTYPES
-from .launch import qkv_prologue_cuda
-from .validation import prologue_layout
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPE_NAMES
 from . import runtime, tensor_maps
-from .dtypes import DTYPE_NAMES
 from .geometry import Geometry
 from .registry import QUANTIZE, quantize_variant
 

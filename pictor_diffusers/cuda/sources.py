@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
 HEADERS = (
     "common.cuh",
     "attention_io.cuh",

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from .custom_ops import no_backward
-from .ops import attention
-from .plan import resolve
-from .registry import BY_NAME, MAX_HEAD_DIM
-from .selection import NoKernelError
-from .validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
+from ..cuda.plan import resolve
+from ..cuda.registry import BY_NAME, MAX_HEAD_DIM
+from ..cuda.selection import NoKernelError
+from ..ops.attention import attention
+from ..ops.custom_ops import no_backward
+from ..ops.validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
 
 _MAX_GRID = 65535
 _WARNED: set[str] = set()

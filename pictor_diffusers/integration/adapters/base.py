@@ -23,8 +23,8 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 
+from ...ops.prologue import Rope, Segment
 from ..kv_cache import KvRequest, kv_request
-from ..prologue import Rope, Segment
 
 Attend = Callable[[list[Segment], int, Rope | None, KvRequest | None], torch.Tensor]
 """`PictorAttn._attend`: (segments, head_dim, rope, kv) -> token-major `[B, N, H*D]` in the projections' dtype."""

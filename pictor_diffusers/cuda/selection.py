@@ -1,6 +1,7 @@
 """The pure choice among the registry's kernels.
 
-`select_kernel` answers "which kernel runs this problem, and why not the
+`check_kernel_choice` says whether a `kernel=` name fits the inputs' dtypes (at the public boundary, for CPU
+and CUDA calls alike). `select_kernel` answers "which kernel runs this problem, and why not the
 others" (or that torch's SDPA runs a 16-bit call faster here) from plain
 facts (`Problem`: dtypes, head_dim, device capability and limits; no GPU, no
 tensors), so it is tested on CPU for every combination.
@@ -11,7 +12,46 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .registry import BY_NAME, KERNELS, MAX_HEAD_DIM, KernelSpec, Variant, family_of, variant_for
+import torch
+
+from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
+from .registry import (
+    BY_NAME,
+    KERNEL_CHOICES,
+    KERNELS,
+    MAX_HEAD_DIM,
+    KernelSpec,
+    Variant,
+    family_of,
+    kernels_for,
+    variant_for,
+)
+
+_VALID_CHOICES = {
+    (kernel, in_dtype, out_dtype)
+    for in_dtype, name in DTYPE_NAMES.items()
+    for kernel in kernels_for(name)
+    for out_dtype in (COMPUTE_DTYPES if in_dtype == torch.float32 else (in_dtype,))
+}
+
+
+def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Raise ValueError unless `kernel` takes `in_dtype` inputs and can write `out_dtype`.
+
+    f32 inputs: "auto" or an fp32-family kernel of the registry, any of the three out dtypes.
+    bf16/fp16 inputs: "auto", a 16-bit-family kernel or an 8-bit one ("fp8"), out dtype = input dtype.
+    """
+    if (kernel, in_dtype, out_dtype) in _VALID_CHOICES:
+        return
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if out_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"out_dtype must be one of {COMPUTE_DTYPES}, got {out_dtype}")
+    family = kernels_for(DTYPE_NAMES[in_dtype])
+    if kernel not in family:
+        raise ValueError(f"kernel={kernel!r} does not take {in_dtype} inputs; choose one of {family}")
+    if in_dtype != torch.float32 and out_dtype != in_dtype:
+        raise ValueError(f"the 16-bit kernels write their input dtype {in_dtype}, got out_dtype={out_dtype}")
 
 
 @dataclass(frozen=True)

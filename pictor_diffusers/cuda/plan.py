@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..dtypes import DTYPE_NAMES, DTYPES
 from . import runtime, tensor_maps
-from .dtypes import DTYPE_NAMES, DTYPES
 from .geometry import Window, full_window
 from .registry import Variant, quantize_variant
 from .selection import NoKernelError, Problem, Selection, select_kernel

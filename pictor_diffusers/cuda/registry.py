@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .dtypes import HALF_DTYPES, KINDS
+from ..dtypes import HALF_DTYPES, KINDS
 
 MAX_HEAD_DIM = 384
 F32_BUILD_HEAD_DIMS = (128, 256, 384)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttention
 
-from ..prologue import Segment
+from ...ops.prologue import Segment
 from .base import Adapter, Attend, Call, register_adapter
 
 

@@ -1,4 +1,4 @@
-"""Pure-torch online-softmax attention: the CPU path and the kernel's twin.
+"""Pure-torch online-softmax attention: the CPU path and the kernel's twin; `twin_attention` runs a kernel's twin.
 
 Same algorithm as `kernels/flash_attn_f32.cu`: keys stream in tiles, each query
 row keeps a running max `m`, a running sum `l` and an f32 accumulator, and the
@@ -10,6 +10,9 @@ result differs from the kernel only by f32 reassociation.
 from __future__ import annotations
 
 import torch
+
+from ..cuda.registry import BY_NAME
+from .quant_reference import kernel_twin
 
 CPU_TILE_KEYS = 256
 
@@ -65,3 +68,24 @@ def online_softmax_attention(
         return out
     lse = (running_max + torch.log(running_sum)).squeeze(-1).transpose(1, 2).contiguous()
     return out, lse
+
+
+def twin_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, kernel: str, out_dtype: torch.dtype,
+    return_lse: bool = False, key_lens: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`kernel`'s CPU twin on checked inputs, the output in `out_dtype`: the 8-bit kernel's quantised twin
+    (`quant_reference.kernel_twin`, refusing a head_dim outside its registry row's, as the kernel does), else
+    `online_softmax_attention` in float32. With `return_lse`, also the float32 LSE `[B, Nq, H]`."""
+    spec = BY_NAME.get(kernel)
+    if spec is not None and spec.family == "8bit":
+        if query.shape[-1] not in spec.head_dims:
+            raise ValueError(f"kernel={kernel!r} takes head_dim {spec.head_dims}, got head_dim={query.shape[-1]}")
+        result = kernel_twin(query, key, value, scale, return_lse=return_lse, key_lens=key_lens)
+    else:
+        upcast = tuple(t.float() for t in (query, key, value))
+        result = online_softmax_attention(*upcast, scale, return_lse=return_lse, key_lens=key_lens)
+    if return_lse:
+        out, lse = result
+        return out.to(out_dtype), lse
+    return result.to(out_dtype)

@@ -36,7 +36,7 @@ exist, so for that one import pictor lets it read "native" and then makes the
 requested pictor backend active. Other values are left alone.
 
 What a backend call serves, and what falls back to diffusers' native backend
-with a warning, is in `pictor_diffusers.backend_call`: Nq != Nk, the
+with a warning, is in `pictor_diffusers.integration.dispatcher_call`: Nq != Nk, the
 log-sum-exp (`return_lse=True`) and context parallelism are served; masks,
 causal attention and dropout fall back. Context parallelism: the backends are
 registered with `supports_context_parallel=True` where diffusers has its
@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .backend_call import context_parallel_template, make_backend, parameters, warn_once
+from .dispatcher_call import context_parallel_template, make_backend, parameters, warn_once
 from .precision import BACKEND_PRECISIONS, PRECISIONS
 
 

@@ -2,7 +2,7 @@
 
     transformer.set_attn_processor(PictorAttn())
 
-The module types it serves are those with an adapter (`pictor_diffusers.adapters`): FLUX.2's
+The module types it serves are those with an adapter (`pictor_diffusers.integration.adapters`): FLUX.2's
 `Flux2Attention` (double-stream) and `Flux2ParallelSelfAttention` (single-stream), FLUX.1's
 `FluxAttention`. The adapter binds the call and runs the module's projections and output projections
 around `PictorAttn._attend`, with the math of diffusers' stock processors: projections, QK RMSNorm,
@@ -10,7 +10,7 @@ around `PictorAttn._attend`, with the math of diffusers' stock processors: proje
 the part after the projections is two launches, the fused prologue and the attention kernel, which
 writes its output in the model dtype; on CPU the same algorithms run in torch. `precision` picks the
 contract ("fp32" parity, "bf16" / "fp16" speed, "fp8" 8-bit speed, "auto"): see
-`pictor_diffusers.precision`.
+`pictor_diffusers.integration.precision`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from ..ops.attention import attention
+from ..ops.prologue import Rope, Segment, pack_head_major
+from ..ops.validation import OUT_DTYPE_CHOICES
 from .adapters import KvArgs, adapter_for
 from .kv_cache import KvRequest, kv_attention, kv_gap
-from .ops import attention
 from .parallel import check_local_rope, context_parallel, context_parallel_attention
 from .precision import compute_dtype, resolve_kernel
-from .prologue import Rope, Segment, pack_head_major
-from .validation import OUT_DTYPE_CHOICES
 
 
 class PictorAttn:
@@ -40,15 +40,15 @@ class PictorAttn:
             (wgmma on Hopper, mma.sync elsewhere), "wgmma" or "mma16". For
             "fp8": "auto" or "fp8" (the same kernel). For "auto": "auto" only.
         precision: "fp32" (parity, default), "bf16", "fp16", "fp8" or "auto"
-            (the model's 16-bit dtype where it has one); see `pictor_diffusers.precision`.
+            (the model's 16-bit dtype where it has one); see `pictor_diffusers.integration.precision`.
 
     Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
-    `FluxAttention` (and any type with an adapter, `pictor_diffusers.adapters`), and FLUX.2-klein's
-    reference-image KV cache (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.kv_cache`);
+    `FluxAttention` (and any type with an adapter, `pictor_diffusers.integration.adapters`), and FLUX.2-klein's
+    reference-image KV cache (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.integration.kv_cache`);
     anything else, an attention mask, or an unknown keyword raises an error
     that names it. Under diffusers' context parallelism
     (`enable_parallelism`: Ulysses, ring, or unified ring x Ulysses) it attends
-    over the whole sequence through `pictor_diffusers.parallel`; the KV-cache
+    over the whole sequence through `pictor_diffusers.integration.parallel`; the KV-cache
     modes under context parallelism raise NotImplementedError. CUDA tensors need CuPy (the
     `cuda12` / `cuda13` extras); CPU tensors run the pure-torch twins of the
     kernels. Inference only: the kernels have no backward.

@@ -18,7 +18,7 @@ attention kernel's input), the kernel it runs and the `kernel=` choices it takes
 q and k are bounded by the RMSNorm, v is not: "fp16" on a bf16 or fp32 model
 turns values beyond fp16's 65504 into inf. "auto" never narrows the range.
 
-The diffusers backends (`pictor_diffusers.backend.BACKENDS`) are rows of the same
+The diffusers backends (`pictor_diffusers.integration.backend.BACKENDS`) are rows of the same
 table: `BACKEND_PRECISIONS` maps each backend name to its precision.
 """
 
@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .registry import eight_bit_kernels, kernels_for
+from ..cuda.registry import eight_bit_kernels, kernels_for
 
 EIGHT_BIT_KERNEL = eight_bit_kernels()[0]
 _HALF = (torch.bfloat16, torch.float16)
