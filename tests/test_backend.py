@@ -110,20 +110,27 @@ def test_key_padding_masks_served(batch: int, seq_q: int, seq_k: int, form: str,
     query = qkv((batch, seq_q, 2, 32), dtype, seed=4)[0]
     key, value = qkv((batch, seq_k, 2, 32), dtype, seed=5)[:2]
     mask = padding_mask(MASK_SHAPES[form](batch, seq_k), batch, seq_k)
-    native = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="native")
     exact = F.scaled_dot_product_attention(
         *(t.double().transpose(1, 2) for t in (query, key, value)), attn_mask=mask
     ).transpose(1, 2)
     assert rel_l2(exact, sdpa64(query, key, value)) > 1e-2, "the mask changes nothing: the check would be vacuous"
+    assert_masked_call_served(query, key, value, mask, exact, monkeypatch)
+
+
+def assert_masked_call_served(query, key, value, mask: torch.Tensor, exact: torch.Tensor, monkeypatch) -> None:
+    """Each backend of `COMPUTE` serves q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` with `mask` once, without a
+    warning, within 1e-5 of `exact` (float64 `[B, Nq, H, D]`) in float32, else within 1.5x native's error."""
+    native = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="native")
+    label = f"{mask.dtype} {tuple(mask.shape)} mask, {query.dtype} inputs"
     for name, compute in COMPUTE.items():
         with count_pictor_calls(monkeypatch) as calls, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = dispatch_attention_fn(query, key, value, attn_mask=mask, backend=name)
-        assert calls[0] == 1 and not pictor_warnings(caught), f"{name} did not serve {form}"
-        assert out.shape == query.shape and out.dtype == dtype
+        assert calls[0] == 1 and not pictor_warnings(caught), f"{name} did not serve the {label}"
+        assert out.shape == query.shape and out.dtype == query.dtype
         error = rel_l2(out, exact)
-        bound = 1e-5 if compute == dtype == torch.float32 else 1.5 * rel_l2(native, exact) + 4e-3
-        assert error <= bound, f"{name} {form} {dtype}: {error:.3e} > {bound:.3e}"
+        bound = 1e-5 if compute == query.dtype == torch.float32 else 1.5 * rel_l2(native, exact) + 4e-3
+        assert error <= bound, f"{name}, {label}: {error:.3e} > {bound:.3e}"
 
 
 def fallback_case(reason: str) -> dict:

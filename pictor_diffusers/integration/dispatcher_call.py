@@ -8,8 +8,9 @@ token-major `[B, Nq, H*D]` output is returned as a `[B, Nq, H, D]` view, without
 
 Served: non-causal attention without dropout, any Nq and Nk (Wan's text cross-attention), equal
 q/k/v heads and head_dim (1..384), float32 / bfloat16 / float16 on CPU or CUDA, inference (no autograd
-recording), boolean key-padding masks (`key_padding`: Qwen-Image's `[B, 1, 1, Nk]` text-padding mask, holes
-anywhere), and context parallelism (`_parallel_config`) without a mask: diffusers' own Ulysses / ring /
+recording), key-padding masks (`key_padding`: Qwen-Image's boolean `[B, 1, 1, Nk]` text-padding mask, holes
+anywhere; LTX-Video's additive float `[B, H, 1, Nk]` mask of 0 and -10000, by `float_key_padding`'s rule), and
+context parallelism (`_parallel_config`) without a mask: diffusers' own Ulysses / ring /
 unified templates run around pictor's kernel, the ring merging by pictor's log-sum-exp. A key-padding mask
 costs no extra pass: the one copy to head-major gathers each batch's kept keys to the front, and the
 kernels attend each batch's first `key_lens[b]` keys. Any other call (another mask, is_causal,
@@ -36,6 +37,9 @@ from ..ops.custom_ops import no_backward
 from ..ops.validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
 
 _MAX_GRID = 65535
+DROPPED_AT = -1000.0
+"""An additive float mask value at or below this drops its key: its weight, e^(logit + value - row max), is
+exactly 0 in float32 unless the key's logit exceeds the row's largest kept one by ~900."""
 _WARNED: set[str] = set()
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -59,9 +63,12 @@ def _unsupported(
     scale: float | None,
 ) -> tuple[str, str] | None:
     """(reason key, what it is) when pictor's kernels cannot serve the call, else None
-    (`padding`: `attn_mask` as `key_padding` reads it)."""
+    (`padding`: `attn_mask` as `key_padding` or `float_key_padding` reads it)."""
     if attn_mask is not None and padding is None:
         shape, dtype = tuple(attn_mask.shape), attn_mask.dtype
+        if attn_mask.is_floating_point():
+            rule = f"0 kept, <= {DROPPED_AT:g} dropped, alike over heads and queries, a key kept per batch"
+            return "float_attn_mask", f"float masks other than key padding ({rule}; attn_mask {dtype} {shape})"
         return "attn_mask", f"attention masks other than boolean key padding (attn_mask {dtype} {shape})"
     if is_causal:
         return "is_causal", "causal attention (is_causal=True)"
@@ -105,6 +112,28 @@ def key_padding(attn_mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor
     if leading[0] not in (1, batch) or leading[1:] != (1, 1):
         return None
     return attn_mask.reshape(-1, seq_k).expand(batch, seq_k)
+
+
+def float_key_padding(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> torch.Tensor | None:
+    """An additive float `attn_mask` as a `[B, Nk]` bool key-padding mask (True: attend), or None when it is not one.
+
+    Key padding, as SDPA broadcasts it to `[B, H, Nq, Nk]`: shape `[1, Nk]`, `[1|H, 1, Nk]` or `[1|B, 1|H, 1, Nk]`;
+    every value exactly 0 (kept) or <= `DROPPED_AT` (dropped: -inf, finfo.min, LTX's -10000); the same keys kept
+    for every head; each batch keeping at least one key (with none kept, finite values weigh all keys alike).
+    Anything else (biases, positives, NaN, masks over queries) is not. The values are read once: one host sync
+    on CUDA; under torch.compile or CUDA graph capture no float mask is key padding.
+    """
+    if not attn_mask.is_floating_point() or not 2 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != seq_k:
+        return None
+    leading = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape[:-1])
+    if leading[0] not in (1, batch) or leading[1] not in (1, heads) or leading[2] != 1:
+        return None
+    if torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    mask = attn_mask.reshape(leading[0], leading[1], seq_k)
+    kept = mask == 0
+    valid = (kept | (mask <= DROPPED_AT)).all() & (kept == kept[:, :1]).all() & kept.any(-1).all()
+    return kept[:, 0].expand(batch, seq_k) if valid.item() else None
 
 
 def _gathered(tensor: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +192,7 @@ def _serve(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
     kernel: str, return_lse: bool, padding: torch.Tensor | None = None,
 ) -> Output:  # fmt: skip
-    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a `[B, Nk]` bool key-padding mask from `key_padding`) -> pictor
+    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a `[B, Nk]` bool key-padding mask, `key_padding`'s) -> pictor
     attention with `kernel` ("auto", or an 8-bit kernel where it can run) -> `[B, Nq, H, D]` in the inputs'
     dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
@@ -230,7 +259,12 @@ def make_backend(
         return_lse: bool = False,
         _parallel_config: Any = None,
     ) -> Output:
-        padding = None if attn_mask is None else key_padding(attn_mask, query.shape[0], key.shape[1])
+        padding = None
+        if attn_mask is not None:
+            batch, heads, seq_k = query.shape[0], query.shape[-2], key.shape[1]
+            padding = key_padding(attn_mask, batch, seq_k)
+            if padding is None:
+                padding = float_key_padding(attn_mask, batch, heads, seq_k)
         problem = _unsupported(query, key, value, attn_mask, padding, dropout_p, is_causal, scale)
         if problem is None and _parallel_config is not None and template is None:
             problem = ("parallel_config", "context parallelism (this diffusers has no context-parallel template)")
