@@ -22,7 +22,7 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlo
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
 from pictor_diffusers import attention
-from pictor_diffusers.backend import BACKENDS as PICTOR_BACKENDS
+from pictor_diffusers.integration.backend import BACKENDS as PICTOR_BACKENDS
 from pictor_diffusers.testing.models import TINY_FLUX1_CONFIG, build_flux1_transformer, flux1_transformer_inputs
 from pictor_diffusers.testing.references import rel_l2
 

@@ -30,8 +30,8 @@ PRECISION_OF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 def kernel_launches(model: torch.nn.Module) -> int:
     """16-bit kernel launches of one forward: one per attention layer where a kernel measured faster than
-    SDPA runs the head_dim (wgmma at 128 on sm_90); elsewhere "auto" hands the calls to SDPA."""
-    tuned = torch.cuda.get_device_capability() == (9, 0) and model.config.attention_head_dim == 128
+    SDPA runs the head_dim (wgmma at 64 and 128 on sm_90); elsewhere "auto" hands the calls to SDPA."""
+    tuned = torch.cuda.get_device_capability() == (9, 0) and model.config.attention_head_dim in (64, 128)
     return model.config.num_layers + model.config.num_single_layers if tuned else 0
 
 

@@ -39,9 +39,11 @@ CASES = [
     (("bfloat16", None, 128, H200, True), ("wgmma", False, 128, "bfloat16")),
     (("float16", None, 128, H200, True), ("wgmma", False, 128, "float16")),
     (("bfloat16", None, 128, H200, True, True), ("wgmma", False, 128, "bfloat16")),
+    (("bfloat16", None, 64, H200, True), ("wgmma", False, 64, "bfloat16")),
+    (("float16", None, 64, H200, True, True), ("wgmma", False, 64, "float16")),
     # 16-bit calls no kernel was measured faster on go to SDPA, unless they need the LSE
-    (("bfloat16", None, 64, H200, True), SDPA_PICK),
-    (("bfloat16", None, 64, H200, True, True), ("wgmma", False, 64, "bfloat16")),
+    (("bfloat16", None, 96, H200, True), SDPA_PICK),
+    (("bfloat16", None, 64, A100, True), SDPA_PICK),
     (("bfloat16", None, 128, A100, True), SDPA_PICK),
     (("bfloat16", None, 128, A100, True, True), ("mma16", False, 128, "bfloat16")),
     (("float16", None, 128, L4, True), SDPA_PICK),

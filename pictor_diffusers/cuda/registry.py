@@ -153,7 +153,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=MAP_SCALARS,
-        beats_sdpa_on=(((9, 0), 128),),
+        beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(
         name="fp8",
