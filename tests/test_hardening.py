@@ -132,7 +132,8 @@ def test_the_cache_command_creates_nothing(tmp_path: Path, monkeypatch: pytest.M
         ((12, 0), 64, False, "sdpa"),
         ((8, 0), 128, False, "sdpa"),
         ((8, 9), 128, False, "sdpa"),
-        ((9, 0), 64, False, "sdpa"),
+        ((9, 0), 96, False, "sdpa"),
+        ((9, 0), 64, False, "wgmma"),
         ((10, 0), 128, True, "mma16"),
     ],
 )
