@@ -336,6 +336,31 @@ def test_norm_params_read_a_parametrized_weight() -> None:
     assert torch.equal(norm_params(torch.nn.RMSNorm(8, elementwise_affine=False), 8, torch.zeros(1))[0], torch.ones(8))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim", [64, 100])
+def test_a_16bit_norm_weight_is_cast_once_until_changed(dtype: torch.dtype, dim: int) -> None:
+    from pictor_diffusers.ops.prologue import norm_params
+
+    norm = torch.nn.RMSNorm(dim, eps=1e-6).to(dtype)
+    norm.weight.copy_(torch.randn(dim))
+    first, _ = norm_params(norm, dim, torch.zeros(1))
+    assert first.dtype == torch.float32 and torch.equal(first, norm.weight.float())
+    assert norm_params(norm, dim, torch.zeros(1))[0] is first
+    norm.weight.mul_(3)
+    changed, _ = norm_params(norm, dim, torch.zeros(1))
+    assert changed is not first and torch.equal(changed, norm.weight.float())
+    norm.weight = torch.nn.Parameter(torch.randn(dim, dtype=dtype))
+    assert torch.equal(norm_params(norm, dim, torch.zeros(1))[0], norm.weight.float())
+
+
+def test_a_float32_norm_weight_is_used_as_is() -> None:
+    from pictor_diffusers.ops.prologue import norm_params
+
+    norm = torch.nn.RMSNorm(24)
+    assert norm_params(norm, 24, torch.zeros(1))[0] is norm.weight
+
+
 def _fused_projections(batch: int, tokens: int, width: int = 64) -> list[torch.Tensor]:
     return list(torch.randn(batch, tokens, 3 * width + 8)[..., : 3 * width].chunk(3, dim=-1))
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..cuda.launch import qkv_prologue_cuda
 from ..cuda.prologue_layout import prologue_layout
@@ -48,6 +49,23 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 _COMPUTED = object()
+_FLOAT_WEIGHTS = WeakIdKeyDictionary()
+"""16-bit norm weight -> (its in-place version, its float32 copy): the cast once per weight, not per call."""
+
+
+def float_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[D]` as float32: itself if it is; a 16-bit weight's cast is kept while the weight lives
+    and is not changed in place (outside compiled graphs and autograd, which see a plain cast)."""
+    if weight.dtype == torch.float32:
+        return weight
+    if torch.compiler.is_compiling() or (weight.requires_grad and torch.is_grad_enabled()):
+        return weight.float()
+    cached = _FLOAT_WEIGHTS.get(weight)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1]
+    cast = weight.float()
+    _FLOAT_WEIGHTS[weight] = (weight._version, cast)
+    return cast
 
 
 def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -68,7 +86,7 @@ def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tup
             "leaf-level group offloading) is not supported, enable_model_cpu_offload is"
         )
     eps = norm.eps if norm.eps is not None else torch.finfo(like.dtype).eps
-    return weight.float(), float(eps)
+    return float_weight(weight), float(eps)
 
 
 def _float_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
