@@ -24,7 +24,11 @@ FAMILY_COLOURS = {
     "sdpa_math": "#7f7f7f",
 }
 """One colour per backend family, the same in every panel and both plots."""
-MODEL_COLOURS = {"pictor_bf16": FAMILY_COLOURS["pictor_wgmma"], "pictor_fp32": FAMILY_COLOURS["pictor_tf32x3"]}
+MODEL_COLOURS = {
+    "pictor_bf16": FAMILY_COLOURS["pictor_wgmma"],
+    "pictor_fp32": FAMILY_COLOURS["pictor_tf32x3"],
+    "pictor_fp8": "#e377c2",
+}
 DTYPE_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "^"}
 PANELS = (("fp32: parity path", ("fp32",)), ("bf16 / fp16: fast path", ("bf16", "fp16")))
 
@@ -56,6 +60,25 @@ def model_table(records: list[dict]) -> str:
             f"| {tflops} | {r['peak_gib']:.1f} | {max_abs} | {rel:.2e} |"
         )
     return "\n".join(rows)
+
+
+def stack_table(records: list[dict]) -> str:
+    """bench_stack.py's records: one row per (model, image, linears, backend), ratios to stock with the same linears."""
+    rows = [
+        "| model | image | linears | backend | ms / step | x stock | rel-L2 vs stock | compile s |",
+        "|---" * 8 + "|",
+    ]
+    for r in records:
+        rows.append(
+            f"| {r['model']} | {r['image']}² | {r['linears']} | {r['backend']} | {r['ms']:.1f} | {r['x_stock']:.3f} "
+            f"| {r['rel_l2_vs_stock']:.2e} | {r['compile_s']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def stack_as_model(records: list[dict]) -> list[dict]:
+    """Stack records as `model_plot` groups them: one group per (model and linears, image)."""
+    return [{**r, "model": f"{r['model']}, {r['linears']} linears", "processor": r["backend"]} for r in records]
 
 
 def _pyplot() -> Any:
@@ -121,7 +144,7 @@ def model_ratios(records: list[dict]) -> tuple[list[str], dict[str, list[float |
     return [f"{model}\n{image}²" for model, image in groups], ratios
 
 
-def model_plot(records: list[dict], path: Path) -> None:
+def model_plot(records: list[dict], path: Path, title: str | None = None) -> None:
     """Time of one transformer forward against stock's, per model and image size: bars from 1.0 (= stock)."""
     from matplotlib.ticker import FixedLocator, NullLocator
 
@@ -153,8 +176,8 @@ def model_plot(records: list[dict], path: Path) -> None:
     ax.set_yticklabels([f"{t:g}x" for t in ticks])
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("time per transformer forward / stock's\n(below 1: faster than stock)")
-    gpu = records[0].get("gpu", "GPU")
-    ax.set_title(f"FLUX.2 transformer forward on {gpu}, {records[0].get('model_dtype', '')} weights, against stock")
+    gpu, weights = records[0].get("gpu", "GPU"), records[0].get("model_dtype", "")
+    ax.set_title(title or f"FLUX.2 transformer forward on {gpu}, {weights} weights, against stock")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", ncol=len(ratios) + 1)
     fig.tight_layout()
@@ -169,18 +192,25 @@ def main() -> None:
     parser.add_argument("results", type=Path, nargs="+", help="JSON files from bench_kernel.py / bench_model.py")
     parser.add_argument("--plot", type=Path, help="write the kernel TFLOP/s plot here (PNG)")
     parser.add_argument("--model-plot", type=Path, help="write the end-to-end ratio-to-stock plot here (PNG)")
+    parser.add_argument("--stack-plot", type=Path, help="write bench_stack.py's ratio-to-stock plot here (PNG)")
     args = parser.parse_args()
     records = [r for path in args.results for r in json.loads(path.read_text())]
     kernel = [r for r in records if r["suite"] == "kernel"]
     model = [r for r in records if r["suite"] == "model"]
+    stack = [r for r in records if r["suite"] == "stack"]
     if kernel:
         print(kernel_table(kernel), end="\n\n")
     if model:
         print(model_table(model))
     if args.plot and kernel:
         plot(kernel, args.plot)
+    if stack:
+        print(stack_table(stack))
     if args.model_plot and model:
         model_plot(model, args.model_plot)
+    if args.stack_plot and stack:
+        gpu = stack[0].get("gpu", "GPU")
+        model_plot(stack_as_model(stack), args.stack_plot, f"klein step, compiled, on {gpu}: pictor against stock")
 
 
 if __name__ == "__main__":
