@@ -82,13 +82,13 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
     from pictor_diffusers.cuda.quantized import quantize, quantized_operands
 
     batch, heads, seq, head_dim = q.shape
-    variant = resolve("fp8", q.dtype, q.dtype, head_dim, q.device.index, True).variant
+    selection, function, prepass = resolve("fp8", q.dtype, q.dtype, head_dim, q.device.index, True)
+    variant = selection.variant
     geometry = Geometry(batch * heads, seq, seq, seq, seq, head_dim, q.dtype, heads, head_dim**-0.5 / math.log(2.0))
     out = torch.empty(batch, seq, heads * head_dim, dtype=q.dtype, device=q.device)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0)
-    operands, keep = quantized_operands(pointers, geometry, q.device.index)
+    operands, keep = quantized_operands(pointers, geometry, q.device.index, prepass)
     args = (*operands, heads, seq, seq, seq)
-    function = runtime.function(variant, q.device.index)
     grid, shared, signature = (
         variant.grid(batch, heads, seq),
         variant.spec.shared_bytes(head_dim),
@@ -99,7 +99,10 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
         runtime.launch(function, q.device.index, grid, variant.spec.threads, shared, signature, args)
         return keep
 
-    return {"pictor_fp8_prepass": lambda: quantize(pointers[:3], geometry, q.device.index), "pictor_fp8_kernel": kernel}
+    def prepass_only() -> tuple:
+        return quantize(pointers[:3], geometry, q.device.index, prepass)
+
+    return {"pictor_fp8_prepass": prepass_only, "pictor_fp8_kernel": kernel}
 
 
 def accuracy_rows(table: dict[str, Method]) -> list[dict]:

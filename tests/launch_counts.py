@@ -12,9 +12,9 @@ def count_launches(monkeypatch: pytest.MonkeyPatch, family: str) -> list[int]:
     calls = [0]
     original = launch.launch_attention
 
-    def counting(variant: object, *args: object) -> None:
-        calls[0] += variant.spec.family == family
-        original(variant, *args)
+    def counting(plan: launch.AttentionPlan) -> None:
+        calls[0] += plan.selection.variant.spec.family == family
+        original(plan)
 
     monkeypatch.setattr(launch, "launch_attention", counting)
     return calls

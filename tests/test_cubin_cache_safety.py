@@ -12,7 +12,7 @@ import pytest
 from cache_helpers import BUILT, OTHER_UID, PLANTED, Build, entry, is_valid, mode, needs_root, plant, stored
 from cache_helpers import use_folders as use_test_folders
 
-from pictor_diffusers.cuda import cubin_cache, runtime
+from pictor_diffusers.cuda import cubin_cache, nvrtc, runtime
 from pictor_diffusers.cuda.cubin_cache import CACHE_ENV, UnsafeCacheError, cached_binary
 from pictor_diffusers.cuda.registry import BY_NAME, variants
 
@@ -139,7 +139,7 @@ def test_an_untrusted_file_is_never_loaded(tmp_path: Path, folders: tuple[Path, 
 
 
 class FakeCupy:
-    """Just enough of CuPy for `runtime._load`: records each module load; `refuse` loads fail first."""
+    """Just enough of CuPy for `nvrtc._load`: records each module load; `refuse` loads fail first."""
 
     def __init__(self, refuse: int = 0) -> None:
         self.loaded: list[bytes] = []
@@ -169,7 +169,7 @@ class FakeCupy:
 
 
 def fake_runtime(monkeypatch: pytest.MonkeyPatch, fake: FakeCupy, after_check: object) -> list[bool]:
-    """Route `runtime._load` through the real cache with a fake compiler; `after_check(path)` runs between
+    """Route `nvrtc._load` through the real cache with a fake compiler; `after_check(path)` runs between
     the cache's checks and the load. Returns the `rebuild` flags the cache was asked with."""
     asked: list[bool] = []
 
@@ -180,9 +180,9 @@ def fake_runtime(monkeypatch: pytest.MonkeyPatch, fake: FakeCupy, after_check: o
         return data
 
     monkeypatch.setattr(runtime, "import_cupy", lambda: fake)
-    monkeypatch.setattr(runtime, "load_nvrtc_library", lambda: None)
-    monkeypatch.setattr(runtime, "device_facts", lambda index: ((9, 0), 232448))
-    monkeypatch.setattr(runtime, "cached_module", cached_module)
+    monkeypatch.setattr(nvrtc, "load_nvrtc_library", lambda: None)
+    monkeypatch.setattr(nvrtc, "device_facts", lambda index: ((9, 0), 232448))
+    monkeypatch.setattr(nvrtc, "cached_module", cached_module)
     return asked
 
 
@@ -195,7 +195,7 @@ def test_the_loaded_bytes_are_the_checked_bytes(monkeypatch: pytest.MonkeyPatch,
         plant(path)
 
     fake_runtime(monkeypatch, fake, swap)
-    _, handle = runtime._load(variants(BY_NAME["mma16"])[0], 0)
+    _, handle = nvrtc._load(variants(BY_NAME["mma16"])[0], 0)
     assert fake.loaded == [BUILT] and handle == 1234
 
 
@@ -206,8 +206,8 @@ def test_a_cubin_the_driver_refuses_is_rebuilt_once(
     fake = FakeCupy(refuse=refusals)
     asked = fake_runtime(monkeypatch, fake, lambda path: None)
     if refusals == 1:
-        runtime._load(variants(BY_NAME["mma16"])[0], 0)
+        nvrtc._load(variants(BY_NAME["mma16"])[0], 0)
     else:
         with pytest.raises(Exception, match="CUDA_ERROR_INVALID_IMAGE"):
-            runtime._load(variants(BY_NAME["mma16"])[0], 0)
+            nvrtc._load(variants(BY_NAME["mma16"])[0], 0)
     assert asked == [False, True] and len(fake.loaded) == 2

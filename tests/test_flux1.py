@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -88,16 +88,20 @@ def attention_modules(model: torch.nn.Module) -> int:
 
 @contextmanager
 def count_pictor_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Count runs of pictor's attention implementation (the kernels, or their CPU twin)."""
+    """Count runs of pictor's attention implementation: a resolved plan (the kernels, `launch.run`) or the
+    CPU twin, as `attention` reaches them."""
     calls = [0]
-    original = ops_module._attend
 
-    def counting(*args: object) -> torch.Tensor:
-        calls[0] += 1
-        return original(*args)
+    def counted(original: Callable[..., object]) -> Callable[..., object]:
+        def counting(*args: object) -> object:
+            calls[0] += 1
+            return original(*args)
+
+        return counting
 
     with monkeypatch.context() as patch:
-        patch.setattr(ops_module, "_attend", counting)
+        for name in ("run", "twin_attention"):
+            patch.setattr(ops_module, name, counted(getattr(ops_module, name)))
         yield calls
 
 

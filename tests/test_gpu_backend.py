@@ -83,9 +83,9 @@ def count_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     calls = {"fp32": 0, "16bit": 0}
     original = launch.launch_attention
 
-    def counting(variant: launch.Variant, *args: object) -> None:
-        calls[variant.spec.family] += 1
-        original(variant, *args)
+    def counting(plan: launch.AttentionPlan) -> None:
+        calls[plan.selection.variant.spec.family] += 1
+        original(plan)
 
     with monkeypatch.context() as patch:
         patch.setattr(launch, "launch_attention", counting)

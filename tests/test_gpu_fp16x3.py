@@ -105,13 +105,17 @@ def test_a_zero_head_and_tiny_and_huge_heads() -> None:
 @pytest.mark.parametrize("seq", [64, 1000])
 def test_split_planes_hold_22_bits(seq: int) -> None:
     """hi + lo = x 2^e to 2^-22 relative; e puts each group's max |x| in [2^14, 2^15)."""
+    from pictor_diffusers.cuda import nvrtc
     from pictor_diffusers.cuda.geometry import Geometry
     from pictor_diffusers.cuda.launch import split_planes
+    from pictor_diffusers.cuda.registry import split_variant
 
     query, key, value = random_qkv(2, 3, seq, 128, seed=seq)
     value = value * torch.logspace(-3, 3, 128, device="cuda")
     geometry = Geometry(6, seq, seq, seq, seq, 128, torch.float32, 3, 128**-0.5 / math.log(2.0))
-    flat, colmax = split_planes((query.data_ptr(), key.data_ptr(), value.data_ptr()), geometry, query.device.index)
+    function = nvrtc.function(split_variant(128), query.device.index)
+    pointers = (query.data_ptr(), key.data_ptr(), value.data_ptr())
+    flat, colmax = split_planes(pointers, geometry, query.device.index, function)
     planes = flat.view(3, 2, 6, seq, 128)
     for index, tensor in enumerate((query, key, value)):
         groups = tensor.reshape(6, seq, 128)

@@ -15,10 +15,12 @@ import torch
 from launch_counts import count_launches
 
 from pictor_diffusers import PictorAttn, attention
+from pictor_diffusers.cuda import nvrtc
 from pictor_diffusers.cuda.geometry import Geometry, Window
 from pictor_diffusers.cuda.launch import run
 from pictor_diffusers.cuda.plan import cannot_run, plan_attention
 from pictor_diffusers.cuda.quantized import quantize, workspace_layout
+from pictor_diffusers.cuda.registry import quantize_variant
 from pictor_diffusers.ops.attention import windowed_attention
 from pictor_diffusers.ops.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs
@@ -121,7 +123,8 @@ def test_prepass_matches_torch_quantisers() -> None:
     _skip_unless_runs(q, k, v)
     scale_log2 = 128**-0.5 * LOG2E
     geometry = Geometry(batch * heads, seq_q, seq_k, seq_q, seq_k, 128, q.dtype, heads, scale_log2)
-    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index)
+    function = nvrtc.function(quantize_variant(128, "bfloat16"), q.device.index)
+    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index, function)
     layout = workspace_layout(batch * heads, seq_q, seq_k)
 
     def part(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pictor_diffusers import attention
-from pictor_diffusers.cuda import launch, plan, runtime
+from pictor_diffusers.cuda import launch, nvrtc, plan
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -48,14 +48,14 @@ def test_auto_moves_on_when_the_hopper_kernel_cannot_be_prepared(monkeypatch: py
     query, key, value = (t.to(torch.bfloat16) for t in random_qkv(*SHAPE, seed=4))
     if plan.cannot_run("mma16", query, key, value) is not None:
         pytest.skip("mma16 cannot run here")
-    working = runtime.function
+    working = nvrtc.function
 
     def broken_wgmma(variant: object, device_index: int) -> int:
         if variant.spec.name == "wgmma":
             raise RuntimeError("NVRTC failed (simulated)")
         return working(variant, device_index)
 
-    monkeypatch.setattr(runtime, "function", broken_wgmma)
+    monkeypatch.setattr(nvrtc, "function", broken_wgmma)
     monkeypatch.setattr(plan, "_resolved", {})
     monkeypatch.setattr(plan, "_disabled", {})
     hopper = torch.cuda.get_device_capability() == (9, 0)

@@ -14,7 +14,7 @@ import torch
 from cache_helpers import BUILT, Build, entry, is_valid, plant, use_folders
 
 from pictor_diffusers import attention, cache
-from pictor_diffusers.cuda import cubin_cache, plan, runtime
+from pictor_diffusers.cuda import cubin_cache, nvrtc, plan, runtime, tensor_maps
 from pictor_diffusers.integration.kv_cache import KvRequest, kv_attention
 from pictor_diffusers.ops.validation import MAX_PLANES, MAX_SEQ
 
@@ -141,10 +141,11 @@ def test_auto_on_a_gpu_without_a_tuned_kernel(
     monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], head_dim: int, lse: bool, expected: str
 ) -> None:
     """16-bit "auto" on a (faked) device: SDPA unless a kernel measured faster than SDPA there runs it."""
-    monkeypatch.setattr(runtime, "device_facts", lambda index: (capability, 232448))
-    monkeypatch.setattr(plan, "_prepare", lambda variant, index: None)
+    monkeypatch.setattr(nvrtc, "device_facts", lambda index: (capability, 232448))
+    monkeypatch.setattr(nvrtc, "function", lambda variant, index: 0)
+    monkeypatch.setattr(tensor_maps, "check_driver", lambda: None)
     monkeypatch.setattr(plan, "_resolved", {})
-    selection = plan.resolve("auto", torch.bfloat16, torch.bfloat16, head_dim, 0, True, lse=lse)
+    selection = plan.resolve("auto", torch.bfloat16, torch.bfloat16, head_dim, 0, True, lse=lse).selection
     assert (selection.delegate or selection.variant.spec.name) == expected
-    parity = plan.resolve("auto", torch.float32, torch.float32, head_dim, 0, True)
+    parity = plan.resolve("auto", torch.float32, torch.float32, head_dim, 0, True).selection
     assert parity.delegate is None and parity.variant.spec.family == "fp32", "the parity path left its kernels"

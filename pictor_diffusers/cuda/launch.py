@@ -2,8 +2,9 @@
 
 `run` executes the `plan.AttentionPlan` that `plan.plan_attention` resolved (every attention kernel of
 the registry, or SDPA's call where "auto" hands one to it) and `qkv_prologue_cuda` the prologue; both
-build the kernel's argument list from its registry row and hand it to `runtime.launch`. Inputs were
-validated at the public boundary (`ops.attention`); nothing here re-checks them.
+build the kernel's argument list from its registry row and hand it to `runtime.launch`. A plan comes with
+its kernel and prepass loaded, so running it looks nothing up. Inputs were validated at the public boundary
+(`ops.attention`); nothing here re-checks them.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 import torch
 
 from ..dtypes import DTYPE_NAMES
-from . import runtime, tensor_maps
+from . import nvrtc, runtime, tensor_maps
 from .geometry import Geometry, Window
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
-from .registry import KernelSpec, Variant, prologue_variant, split_variant
+from .registry import SPLIT, KernelSpec, prologue_variant
 
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
@@ -34,11 +35,10 @@ _SCALAR_TYPES = {
 def run(plan: AttentionPlan) -> torch.Tensor:
     """Execute a plan: the kernel's launch (or SDPA's call) into the plan's output, then the dtype cast the
     caller asked for; returns the caller's output."""
-    selection, window = plan.selection, plan.window
-    if selection.variant is None:
+    window = plan.window
+    if plan.selection.variant is None:
         return _sdpa_attention(plan.query, plan.key, plan.value, plan.scale, plan.out, window)
-    launch_attention(selection.variant, plan.query, plan.key, plan.value, plan.written, plan.lse, plan.scale,
-                     window, plan.key_lens)  # fmt: skip
+    launch_attention(plan)
     if plan.written.dtype == plan.out_dtype:
         return plan.written
     if plan.out is None:
@@ -65,19 +65,11 @@ def _sdpa_attention(
     return out
 
 
-def launch_attention(
-    variant: Variant,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    scale: float,
-    window: Window,
-    key_lens: torch.Tensor | None = None,
-) -> None:
-    """Launch an attention `variant` on inputs and an output it accepts (see `selection.blocker`),
-    for the rows of `window` (and `key_lens` keys of each batch, if given)."""
+def launch_attention(plan: AttentionPlan) -> None:
+    """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one) into
+    `plan.written`, for the rows of its window (and `key_lens` keys of each batch, if given)."""
+    variant, window, scale = plan.selection.variant, plan.window, plan.scale
+    query, key, value, out, lse, key_lens = plan.query, plan.key, plan.value, plan.written, plan.lse, plan.key_lens
     spec = variant.spec
     signature = _signature(spec)
     batch, heads, seq_q, head_dim = query.shape
@@ -106,9 +98,9 @@ def launch_attention(
         geometry = Geometry(
             batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype, heads, scalars["scale_log2"]
         )
-        operands, _keep = _operands(spec.operands, pointers, geometry, query.device.index)
+        operands, _keep = _operands(spec.operands, pointers, geometry, query.device.index, plan.prepass_function)
     runtime.launch(
-        runtime.function(variant, query.device.index),
+        plan.function,
         query.device.index,
         variant.grid(batch, heads, q_count),
         spec.threads,
@@ -131,17 +123,17 @@ def _signature(spec: KernelSpec) -> tuple[Any, ...]:
 
 
 def _operands(
-    kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int
+    kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int, prepass: int
 ) -> tuple[tuple[Any, ...], object]:
     """(operand values, what must stay referenced until the launch) of a contiguous-input row's
     operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs
-    the split prepass first, "quantized" the 8-bit one."""
+    the split prepass first, "quantized" the 8-bit one (`prepass`: its loaded `CUfunction` handle)."""
     if kind == "pointers":
         return pointers, None
     if kind == "quantized":
-        return quantized_operands(pointers, geometry, device_index)
+        return quantized_operands(pointers, geometry, device_index, prepass)
     g = geometry
-    planes, colmax = split_planes(pointers[:3], geometry, device_index)
+    planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass)
     base, half = planes.data_ptr(), 2
     q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
     k_bytes = 2 * g.planes * g.k_count * g.head_dim * half
@@ -183,10 +175,10 @@ _SPLIT_BOX_ROWS = 64
 
 
 def split_planes(
-    pointers: tuple[int, int, int], geometry: Geometry, device_index: int
+    pointers: tuple[int, int, int], geometry: Geometry, device_index: int, function: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window's f32 q, k, v (first-row addresses, `geometry`) as scaled float16 hi/lo planes,
-    by the split kernel's two phases.
+    by the split kernel's two phases (`function`: its loaded `CUfunction` handle, `registry.split_variant`'s).
 
     Returns the planes (float16, flat: q's `[2 (hi, lo), planes, q_count, D]`, then k's and v's,
     each `[2, planes, k_count, D]`) and the column maxima `[3, planes, D]` (f32 bit patterns as
@@ -197,12 +189,10 @@ def split_planes(
     workspace = torch.empty(plane_halves + 6 * g.planes * g.head_dim, dtype=torch.float16, device=_device(device_index))
     planes, colmax = workspace[:plane_halves], workspace[plane_halves:].view(torch.int32).view(3, g.planes, g.head_dim)
     runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
-    variant = split_variant(g.head_dim)
-    function = runtime.function(variant, device_index)
-    grid = (g.planes, -(-max(g.q_count, g.k_count) // variant.spec.rows_per_block), 3)
+    grid = (g.planes, -(-max(g.q_count, g.k_count) // SPLIT.rows_per_block), 3)
     args = (*pointers, planes.data_ptr(), colmax.data_ptr(), g.q_count, g.k_count, g.q_pitch, g.kv_pitch)
     for phase in (0, 1):
-        runtime.launch(function, device_index, grid, variant.spec.threads, 0, _SPLIT_SIGNATURE, (*args, phase))
+        runtime.launch(function, device_index, grid, SPLIT.threads, 0, _SPLIT_SIGNATURE, (*args, phase))
     return planes, colmax
 
 
@@ -232,7 +222,7 @@ def qkv_prologue_cuda(
     extents = [layout.text_len, layout.seq, layout.heads, gap_at, kv_gap]
     scalars = [*layout.strides, *extents, *layout.eps, int(layout.rope)]
     runtime.launch(
-        runtime.function(variant, layout.device_index),
+        nvrtc.function(variant, layout.device_index),
         layout.device_index,
         (layout.seq, layout.batch, 1),
         variant.spec.threads,

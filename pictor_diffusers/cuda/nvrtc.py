@@ -1,10 +1,13 @@
-"""NVRTC compilation, with or without a GPU: PTX for inspection, cubins to run.
+"""NVRTC compilation, with or without a GPU (PTX for inspection, cubins to run), and the loaded kernels.
 
 * `compile_ptx`: the compile tests inspect every variant on a CPU-only machine.
 * `cached_module`: the bytes of the cubin a device loads, for its exact arch
   (`sm_90a` for wgmma), cached on disk by `cubin_cache`, keyed by the source,
   the shared header, the options, the arch and the NVRTC version, and checked
   (SHA-256, ELF structure) before they are handed out.
+* `function`: a variant's `CUfunction` handle on a device (`device_facts` gives its arch), loaded once per
+  process and device from those checked bytes in memory. The cache is bounded by the registry's finite
+  variant set.
 
 The shared headers (`sources.HEADERS`, roles in `kernels/common.cuh`) reach NVRTC in memory, so no include
 path is needed.
@@ -12,6 +15,13 @@ path is needed.
 
 from __future__ import annotations
 
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from . import runtime
 from .cubin_cache import cached_binary
 from .registry import Variant
 from .sources import HEADERS, header_texts, read_source
@@ -142,3 +152,54 @@ def cached_module(variant: Variant, capability: tuple[int, int], rebuild: bool =
     arch), with the same flags (the row's `flags`), so the machine code is the same.
     """
     return cached_cubin(variant, variant.arch(capability), rebuild)
+
+
+@functools.cache
+def device_facts(device_index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, opt-in shared memory bytes per block) of a device."""
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor), props.shared_memory_per_block_optin
+
+
+_functions: dict[tuple[str, int], tuple[Any, int]] = {}
+_lock = threading.Lock()
+
+
+def function(variant: Variant, device_index: int) -> int:
+    """The `CUfunction` handle of `variant` on the device, compiled and loaded on first use."""
+    entry = _functions.get((variant.name, device_index))
+    if entry is None:
+        with _lock:
+            entry = _functions.get((variant.name, device_index))
+            if entry is None:
+                entry = _functions[(variant.name, device_index)] = _load(variant, device_index)
+    return entry[1]
+
+
+def _load(variant: Variant, device_index: int) -> tuple[Any, int]:
+    """(the loaded module, keeping it alive; the `CUfunction` handle) of `variant` on the device.
+
+    The module is loaded from the exact bytes the cache checked (`cuModuleLoadData`), never re-opened
+    by path; a binary the driver refuses is rebuilt once and replaced in the cache.
+    """
+    cupy = runtime.import_cupy()
+    load_nvrtc_library()
+    capability, _ = device_facts(device_index)
+    with cupy.cuda.Device(device_index):
+        try:
+            module = _module(cupy, cached_module(variant, capability))
+        except cupy.cuda.driver.CUDADriverError:
+            module = _module(cupy, cached_module(variant, capability, rebuild=True))
+        handle = module.get_function(variant.spec.entry).ptr
+        shared = variant.spec.shared_bytes(variant.head_dim)
+        if shared > 48 * 1024:
+            driver = cupy.cuda.driver
+            driver.funcSetAttribute(handle, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+    return module, handle
+
+
+def _module(cupy: Any, cubin: bytes) -> Any:
+    """A CuPy `Module` loaded from `cubin`'s bytes in memory."""
+    module = cupy.cuda.function.Module()
+    module.load(cubin)
+    return module

@@ -1,36 +1,86 @@
-"""One attention call on CUDA, resolved once into an immutable plan that `launch.run` executes.
+"""One attention call resolved once: the kernel-choice check, the kernel's selection, and the plan that
+`launch.run` executes.
 
-`plan_attention` takes validated CUDA inputs and decides everything a launch needs, in one place: the
-kernel (`resolve`: the memoised `selection.select_kernel` for this device, each chosen kernel built and
-loaded; "auto" moves past one that cannot be), the operands as that kernel reads them (in place through
-TMA, contiguous copies, or float32 upcasts), the row window and the output it writes.
+* `check_kernel_choice` says whether a `kernel=` name fits the inputs' dtypes (at the public boundary, for
+  CPU and CUDA calls alike).
+* `plan_attention` takes validated CUDA inputs and decides everything a launch needs, in one place: the
+  kernel (`resolve`: the selection for this device, memoised, with the chosen build and the prepass its
+  operands need loaded; "auto" moves past a kernel that cannot be), the operands as that kernel reads
+  them (in place through TMA, contiguous copies, or float32 upcasts), the row window and the output.
+* `select_kernel` answers "which kernel runs this problem, and why not the others" (or that torch's SDPA
+  runs a 16-bit call faster here) from plain facts (`Problem`: dtypes, head_dim, device capability and
+  limits; no GPU, no tensors), so it is tested on CPU for every combination.
+
+`registry.py` answers table lookups and `nvrtc.function` builds and loads; neither calls back here.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
 
-from ..dtypes import DTYPE_NAMES, DTYPES
-from . import runtime, tensor_maps
+from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES, DTYPES
+from . import nvrtc, tensor_maps
 from .geometry import Window, full_window
-from .registry import Variant, quantize_variant
-from .selection import NoKernelError, Problem, Selection, select_kernel
+from .registry import (
+    BY_NAME,
+    KERNEL_CHOICES,
+    KERNELS,
+    MAX_HEAD_DIM,
+    KernelSpec,
+    Variant,
+    family_of,
+    kernels_for,
+    prepass_for,
+    variant_for,
+)
+
+_VALID_CHOICES = {
+    (kernel, in_dtype, out_dtype)
+    for in_dtype, name in DTYPE_NAMES.items()
+    for kernel in kernels_for(name)
+    for out_dtype in (COMPUTE_DTYPES if in_dtype == torch.float32 else (in_dtype,))
+}
+
+
+def check_kernel_choice(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Raise ValueError unless `kernel` takes `in_dtype` inputs and can write `out_dtype`.
+
+    f32 inputs: "auto" or an fp32-family kernel of the registry, any of the three out dtypes.
+    bf16/fp16 inputs: "auto", a 16-bit-family kernel or an 8-bit one ("fp8"), out dtype = input dtype.
+    """
+    if (kernel, in_dtype, out_dtype) in _VALID_CHOICES:
+        return
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if out_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"out_dtype must be one of {COMPUTE_DTYPES}, got {out_dtype}")
+    family = kernels_for(DTYPE_NAMES[in_dtype])
+    if kernel not in family:
+        raise ValueError(f"kernel={kernel!r} does not take {in_dtype} inputs; choose one of {family}")
+    if in_dtype != torch.float32 and out_dtype != in_dtype:
+        raise ValueError(f"the 16-bit kernels write their input dtype {in_dtype}, got out_dtype={out_dtype}")
 
 
 class AttentionPlan(NamedTuple):
     """One resolved attention call.
 
-    `selection`: the kernel variant (None: SDPA runs it). `query`, `key`, `value`: `[B, H, N, D]` as the
-    kernel reads them. `written`: what the kernel writes, `[B, Nq, H*D]` in its output dtype. `out`: the
-    caller's destination (None: a new tensor), `out_dtype` its dtype. `lse`: `[B, Nq, H]` float32 or None;
-    `key_lens`: int32 `[B]` or None; `window`: the rows computed; `scale`: the logit scale.
+    `selection`: the kernel variant (None: SDPA runs it); `function`: its loaded `CUfunction` handle, and
+    `prepass_function` that of the prepass that makes its operands (0 where there is none). `query`, `key`,
+    `value`: `[B, H, N, D]` as the kernel reads them. `written`: what the kernel writes, `[B, Nq, H*D]` in its
+    output dtype. `out`: the caller's destination (None: a new tensor), `out_dtype` its dtype. `lse`:
+    `[B, Nq, H]` float32 or None; `key_lens`: int32 `[B]` or None; `window`: the rows computed; `scale`: the
+    logit scale.
     """
 
     selection: Selection
+    function: int
+    prepass_function: int
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
@@ -41,6 +91,16 @@ class AttentionPlan(NamedTuple):
     key_lens: torch.Tensor | None
     window: Window
     scale: float
+
+
+class Prepared(NamedTuple):
+    """A selection made runnable on one device: `function` is the chosen build's loaded `CUfunction` handle
+    and `prepass_function` that of the prepass its operands need (`registry.prepass_for`); 0 where there is
+    none (SDPA, or a kernel that reads q, k, v as they are)."""
+
+    selection: Selection
+    function: int = 0
+    prepass_function: int = 0
 
 
 def plan_attention(
@@ -78,11 +138,11 @@ def plan_attention(
     q_at = query.data_ptr() + window.q_start * query.stride(2) * size
     k_at = key.data_ptr() + window.k_start * key.stride(2) * size
     aligned = not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
-    selection = resolve(
+    selection, function, prepass_function = resolve(
         kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None, lse is not None
     )
     shape = (batch, seq_q, heads * head_dim)
-    out = None if out is None else output(out, shape, out_dtype, query.device)
+    out = None if out is None else _checked_out(out, shape, out_dtype, query.device)
     variant, written = selection.variant, None
     if variant is not None:
         if selection.upcast:
@@ -97,7 +157,9 @@ def plan_attention(
             if kernel_dtype == out_dtype and out is not None
             else torch.empty(shape, dtype=kernel_dtype, device=query.device)
         )
-    return AttentionPlan(selection, query, key, value, written, out, out_dtype, lse, key_lens, window, scale)
+    return AttentionPlan(
+        selection, function, prepass_function, query, key, value, written, out, out_dtype, lse, key_lens, window, scale
+    )
 
 
 def _in_place_or_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,58 +167,9 @@ def _in_place_or_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() or tensor_maps.readable(tensor) else tensor.contiguous()
 
 
-_resolved: dict[tuple[Any, ...], Selection] = {}
-_disabled: dict[int, dict[str, str]] = {}
-_lock = threading.Lock()
-
-
-def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int,
-            aligned: bool, key_lens: bool = False, lse: bool = False) -> Selection:  # fmt: skip
-    """The selection for these inputs on this device (`key_lens`: with per-batch key counts; `lse`: with
-    the log-sum-exp), memoised; "auto" skips (and warns once about) a kernel that cannot be built or
-    loaded here."""
-    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse)
-    selection = _resolved.get(key)
-    if selection is not None:
-        return selection
-    capability, shared_limit = runtime.device_facts(device_index)
-    problem = Problem(
-        DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens, lse
-    )
-    with _lock:
-        disabled = _disabled.setdefault(device_index, {})
-        while True:
-            selection = select_kernel(problem, kernel, disabled)
-            problem_text = None if selection.variant is None else _prepare(selection.variant, device_index)
-            if problem_text is None:
-                break
-            if kernel != "auto":
-                raise NoKernelError(f"kernel={kernel!r} cannot run here: {problem_text}")
-            disabled[selection.variant.spec.name] = problem_text
-            warnings.warn(f"pictor-diffusers: {problem_text}; using the next kernel", RuntimeWarning, stacklevel=4)
-        _resolved[key] = selection
-    return selection
-
-
-def _prepare(variant: Variant, device_index: int) -> str | None:
-    """Compile and load `variant` (and the driver's tensor maps where it uses them), or say why not."""
-    try:
-        if variant.spec.operands in ("tensor_maps", "quantized"):
-            tensor_maps.check_driver()
-        runtime.function(variant, device_index)
-        if variant.spec.operands == "quantized":
-            runtime.function(quantize_variant(variant.head_dim, variant.in_dtype), device_index)
-    except ImportError:
-        raise
-    except Exception as error:  # a build or load failure disables the kernel with its reason
-        return f"the {variant.spec.name} kernel could not be prepared ({type(error).__name__}: {error})"
-    return None
-
-
-def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`out` checked against the destination a kernel writes, or a new tensor."""
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+def _checked_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`out`, once checked against the destination a kernel writes: contiguous `shape` `dtype` on `device`,
+    16-byte aligned."""
     if out.shape != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
         raise ValueError(
             f"out must be a contiguous {dtype} {shape} tensor on {device}, "
@@ -165,6 +178,52 @@ def output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
     if out.data_ptr() % 16:
         raise ValueError(f"out must be 16-byte aligned, got address {out.data_ptr():#x} (a view with an offset?)")
     return out
+
+
+_resolved: dict[tuple[Any, ...], Prepared] = {}
+_disabled: dict[int, dict[str, str]] = {}
+_lock = threading.Lock()
+
+
+def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int,
+            aligned: bool, key_lens: bool = False, lse: bool = False) -> Prepared:  # fmt: skip
+    """The selection for these inputs on this device (`key_lens`: with per-batch key counts; `lse`: with
+    the log-sum-exp), its builds loaded, memoised."""
+    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse)
+    prepared = _resolved.get(key)
+    if prepared is None:
+        capability, shared_limit = nvrtc.device_facts(device_index)
+        problem = Problem(
+            DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens, lse
+        )
+        with _lock:
+            prepared = _resolved[key] = _prepare(problem, kernel, device_index)
+    return prepared
+
+
+def _prepare(problem: Problem, kernel: str, device_index: int) -> Prepared:
+    """`select_kernel`'s choice, built and loaded on the device with the prepass its operands need. "auto"
+    disables a kernel that cannot be prepared here (warning once, with the reason) and selects again; a
+    named kernel raises NoKernelError."""
+    disabled = _disabled.setdefault(device_index, {})
+    while True:
+        selection = select_kernel(problem, kernel, disabled)
+        variant = selection.variant
+        if variant is None:
+            return Prepared(selection)
+        builds = (variant, prepass_for(variant))
+        try:
+            if variant.spec.operands in ("tensor_maps", "quantized"):
+                tensor_maps.check_driver()
+            return Prepared(selection, *(nvrtc.function(build, device_index) for build in builds if build is not None))
+        except ImportError:
+            raise
+        except Exception as error:  # a build or load failure disables the kernel with its reason
+            reason = f"the {variant.spec.name} kernel could not be prepared ({type(error).__name__}: {error})"
+        if kernel != "auto":
+            raise NoKernelError(f"kernel={kernel!r} cannot run here: {reason}")
+        disabled[variant.spec.name] = reason
+        warnings.warn(f"pictor-diffusers: {reason}; using the next kernel", RuntimeWarning, stacklevel=4)
 
 
 def cannot_run(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -176,3 +235,120 @@ def cannot_run(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch
     except NoKernelError as error:
         return str(error)
     return None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The facts that decide which kernel runs: inputs and device, no tensors.
+
+    `aligned`: q, k and v start on 16-byte boundaries (tensor cores read 16-byte vectors).
+    `key_lens`: the call gives per-batch key counts (the kernels' key-count builds run it).
+    `lse`: the call asks for the log-sum-exp (which torch's SDPA does not return).
+    """
+
+    in_dtype: str
+    out_dtype: str
+    head_dim: int
+    capability: tuple[int, int]
+    shared_limit: int
+    aligned: bool = True
+    key_lens: bool = False
+    lse: bool = False
+
+
+SDPA = "sdpa"
+"""The `Selection.delegate` that hands a 16-bit call to torch's `scaled_dot_product_attention`."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen variant, or `delegate` (`SDPA`, variant None) for a call torch's SDPA runs faster;
+    `upcast`: 16-bit inputs run the f32 kernels as float32; `rejected`: (kernel, reason) for each
+    candidate tried before it."""
+
+    variant: Variant | None
+    upcast: bool
+    rejected: tuple[tuple[str, str], ...]
+    delegate: str | None = None
+
+
+class NoKernelError(ValueError):
+    """No kernel can run the problem; the message lists each candidate's reason."""
+
+
+def blocker(spec: KernelSpec, problem: Problem) -> str | None:
+    """Why `spec` cannot run `problem` (inputs already float32 for the f32 family), or None."""
+    if problem.in_dtype not in spec.in_dtypes:
+        return f"takes {'/'.join(spec.in_dtypes)} inputs, not {problem.in_dtype}"
+    if problem.head_dim not in spec.head_dims:
+        allowed = f"<= {MAX_HEAD_DIM}" if spec.name == "f32" else f"in {spec.head_dims}"
+        return f"needs head_dim {allowed}, got {problem.head_dim}"
+    if spec.exact_capability is not None and problem.capability != spec.exact_capability:
+        return f"needs compute capability {spec.exact_capability}, the device has {problem.capability}"
+    if problem.capability < spec.min_capability:
+        return f"needs compute capability {spec.min_capability}+, the device has {problem.capability}"
+    needed = spec.shared_bytes(variant_for(spec, problem.head_dim, "float32", "float32").head_dim)
+    if needed > problem.shared_limit:
+        return f"needs {needed} bytes of shared memory per block, the device allows {problem.shared_limit}"
+    if spec.name != "f32" and not problem.aligned:
+        return "q, k or v is not 16-byte aligned"
+    return None
+
+
+def _candidates(problem: Problem, kernel: str) -> list[tuple[KernelSpec | None, bool]]:
+    """(spec, upcast) in the order tried, None standing for SDPA: the requested kernel, or the family's
+    "auto" order. 16-bit "auto": the kernels measured at least as fast as SDPA on this device, then
+    SDPA itself, then the other 16-bit kernels and the f32 kernels on upcast inputs (fresh float32
+    copies, so aligned) for what SDPA cannot serve (LSE, key counts)."""
+    family = family_of(problem.in_dtype)
+    if kernel != "auto":
+        return [(BY_NAME[kernel], False)]
+    own = [spec for spec in KERNELS if spec.family == family]
+    if family != "16bit":
+        return [(spec, False) for spec in own]
+    tuned = [spec for spec in own if (problem.capability, problem.head_dim) in (spec.beats_sdpa_on or ())]
+    rest = [(spec, False) for spec in own if spec not in tuned]
+    upcast = [(spec, True) for spec in KERNELS if spec.family == "fp32"]
+    return [*((spec, False) for spec in tuned), (None, False), *rest, *upcast]
+
+
+def _sdpa_blocker(problem: Problem) -> str | None:
+    """Why torch's SDPA cannot serve `problem` under pictor's contract, or None."""
+    if problem.lse:
+        return "does not return the log-sum-exp"
+    if problem.key_lens:
+        return "gives NaN, not 0, for a batch with no keys"
+    return None
+
+
+def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str, str] | None = None) -> Selection:
+    """The kernel that runs `problem`: the requested one, or the first "auto" candidate that can.
+
+    Args:
+        problem: inputs and device facts.
+        kernel: "auto" or a name from `KERNEL_CHOICES` (already checked against the family).
+        disabled: kernel name -> reason, for kernels that failed to build or load here.
+
+    Raises:
+        NoKernelError: no candidate can run it; the message gives every reason.
+    """
+    disabled = disabled or {}
+    rejected: list[tuple[str, str]] = []
+    for spec, upcast in _candidates(problem, kernel):
+        if spec is None:
+            reason = _sdpa_blocker(problem)
+            if reason is None:
+                return Selection(None, False, tuple(rejected), SDPA)
+            rejected.append((SDPA, reason))
+            continue
+        in_dtype = "float32" if upcast else problem.in_dtype
+        as_run = replace(problem, in_dtype="float32", aligned=True) if upcast else problem
+        reason = disabled.get(spec.name) or blocker(spec, as_run)
+        if reason is None:
+            writes = spec.writes(in_dtype)
+            out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
+            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens)
+            return Selection(variant, upcast, tuple(rejected))
+        rejected.append((spec.name + (" (upcast)" if upcast else ""), reason))
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)
+    raise NoKernelError(f"kernel={kernel!r} cannot run {problem.in_dtype} head_dim={problem.head_dim}: {reasons}")

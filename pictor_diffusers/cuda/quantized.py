@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from ..dtypes import DTYPE_NAMES
 from . import runtime, tensor_maps
 from .geometry import Geometry
-from .registry import QUANTIZE, quantize_variant
+from .registry import QUANTIZE
 
 TILE, Q_BLOCK = 128, 64
 CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
@@ -53,17 +52,15 @@ def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 12
 
 
 def quantize(
-    pointers: tuple[int, int, int], g: Geometry, device_index: int, key_lens: int = 0
+    pointers: tuple[int, int, int], g: Geometry, device_index: int, function: int, key_lens: int = 0
 ) -> tuple[torch.Tensor, dict[str, int]]:
-    """Run the prepass on the window's q, k, v (`pointers`, `g`; `key_lens`: the address of per-batch key
-    counts, or 0); returns the workspace (uint8, keep it referenced until the attention launch is issued) and
-    each output's address."""
+    """Run the prepass (`function`: its loaded `CUfunction` handle, `registry.quantize_variant`'s) on the
+    window's q, k, v (`pointers`, `g`; `key_lens`: the address of per-batch key counts, or 0); returns the
+    workspace (uint8, keep it referenced until the attention launch is issued) and each output's address."""
     layout = workspace_layout(g.planes, g.q_count, g.k_count, g.head_dim)
     last_offset, last_size = layout["partial"]
     workspace = torch.empty(last_offset + last_size, dtype=torch.uint8, device=torch.device("cuda", device_index))
     at = {name: workspace.data_ptr() + offset for name, (offset, _) in layout.items()}
-    variant = quantize_variant(g.head_dim, DTYPE_NAMES[g.dtype])
-    function = runtime.function(variant, device_index)
     outputs = tuple(at[name] for name in ("q8", "k8", "vt8", "q_scale", "k_scale", "v_scale", "q_shift", "partial"))
     scalars = (g.q_count, g.k_count, g.q_pitch, g.kv_pitch, g.heads, g.scale_log2)
     tiles = max(-(-g.q_count // TILE), -(-g.k_count // TILE))
@@ -88,10 +85,12 @@ def _code_maps(at: dict[str, int], g: Geometry) -> list[tuple[ctypes.Array, int]
     ]
 
 
-def quantized_operands(pointers: tuple[int, ...], g: Geometry, device_index: int) -> tuple[tuple[Any, ...], object]:
+def quantized_operands(
+    pointers: tuple[int, ...], g: Geometry, device_index: int, function: int
+) -> tuple[tuple[Any, ...], object]:
     """(operand values, what must stay referenced until the launch) of the "quantized" operand kind, from
-    the window's (q, k, v, out, lse, key_lens) addresses: the prepass, then maps of its codes."""
-    workspace, at = quantize(pointers[:3], g, device_index, key_lens=pointers[5])
+    the window's (q, k, v, out, lse, key_lens) addresses: the prepass (`function`), then maps of its codes."""
+    workspace, at = quantize(pointers[:3], g, device_index, function, key_lens=pointers[5])
     maps = _code_maps(at, g)
     addresses = tuple(address for _, address in maps)
     scales = (at["q_scale"], at["k_scale"], at["v_scale"], at["q_shift"])

@@ -1,15 +1,13 @@
 """The kernel registry: one row per CUDA kernel.
 
-A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute
-capability), how it is built (source, `-D` geometry, arch) and how it is
-launched (threads, rows per block, shared memory, operand and scalar lists).
-`selection.select_kernel` chooses among the rows from plain facts. Adding a
-kernel means adding a row here and its `.cu` file in `kernels/`; `launch.py`
-runs any row.
+A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute capability), how it is built
+(source, `-D` geometry, arch) and how it is launched (threads, rows per block, shared memory, operand and
+scalar lists); `prepass_for` names the prepass build (`SPLIT`, `QUANTIZE`) a row's operands need.
+`plan.select_kernel` chooses among the rows from plain facts. Adding a kernel means adding a row here and
+its `.cu` file in `kernels/`; `launch.py` runs any row. Everything here is a table or a pure lookup.
 
-Geometry lives here only: the host passes it to the kernels as `-D` options,
-the kernels `#error` on a missing one and `static_assert` their own formulas
-against it.
+Geometry lives here only: the host passes it to the kernels as `-D` options, the kernels `#error` on a
+missing one and `static_assert` their own formulas against it.
 """
 
 from __future__ import annotations
@@ -389,3 +387,13 @@ def prologue_variant(head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
     if head_dim not in PROLOGUE.head_dims:
         raise ValueError(f"the fused prologue needs head_dim a multiple of 4 in [4, 128], got {head_dim}")
     return Variant(PROLOGUE, head_dim, in_dtype, out_dtype)
+
+
+def prepass_for(variant: Variant) -> Variant | None:
+    """The prepass build that turns q, k, v into `variant`'s operands: the split for "split_planes", the
+    quantiser for "quantized"; None for a kernel that reads them as they are."""
+    if variant.spec.operands == "split_planes":
+        return split_variant(variant.head_dim)
+    if variant.spec.operands == "quantized":
+        return quantize_variant(variant.head_dim, variant.in_dtype)
+    return None

@@ -1,14 +1,10 @@
-"""The CUDA runtime side of a launch: CuPy, device facts, streams, loaded kernels.
+"""The driver side of a launch: CuPy, torch's current stream, `cuLaunchKernel`.
 
-* Kernels are compiled by NVRTC to a cubin for the device's exact arch
-  (`nvrtc.cached_module`, one on-disk cache for every kernel), loaded once per
-  process and device from the checked bytes in memory, and kept as raw
-  `CUfunction` handles.
-* `launch` calls `cuLaunchKernel` (CuPy's binding) with torch's device
-  addresses on torch's current stream of the device: zero copy, no host sync,
-  capturable in CUDA graphs. No stream object is cached or kept alive.
-* Every cache here is bounded: loaded kernels by the registry's finite variant
-  set, argument slots by the few kernel signatures, per thread.
+* `launch` calls `cuLaunchKernel` (CuPy's binding) on a `CUfunction` handle that
+  comes built and loaded (`nvrtc.function`), with torch's device addresses on
+  torch's current stream of the device: zero copy, no host sync, capturable in
+  CUDA graphs. No stream object is cached or kept alive.
+* The one cache here, argument slots, is bounded by the few kernel signatures, per thread.
 """
 
 from __future__ import annotations
@@ -21,16 +17,11 @@ from typing import Any
 
 import torch
 
-from .nvrtc import cached_module, load_nvrtc_library
-from .registry import Variant
-
 CUPY_INSTALL_HINT = (
     "PictorAttn needs CuPy to run its kernels on CUDA tensors. Install the extra that matches your torch "
     "build (torch.version.cuda = {torch_cuda}): {advice}; never install both cupy-cuda12x and cupy-cuda13x."
 )
 
-_functions: dict[tuple[str, int], tuple[Any, int]] = {}
-_lock = threading.Lock()
 _thread_state = threading.local()
 
 
@@ -63,13 +54,6 @@ def import_cupy() -> Any:
     return cupy
 
 
-@functools.cache
-def device_facts(device_index: int) -> tuple[tuple[int, int], int]:
-    """(compute capability, opt-in shared memory bytes per block) of a device."""
-    props = torch.cuda.get_device_properties(device_index)
-    return (props.major, props.minor), props.shared_memory_per_block_optin
-
-
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -92,46 +76,6 @@ def _bind_context(device_index: int) -> None:
     if device_index not in bound:
         import_cupy().cuda.runtime.setDevice(device_index)
         bound.add(device_index)
-
-
-def function(variant: Variant, device_index: int) -> int:
-    """The `CUfunction` handle of `variant` on the device, compiled and loaded on first use."""
-    entry = _functions.get((variant.name, device_index))
-    if entry is None:
-        with _lock:
-            entry = _functions.get((variant.name, device_index))
-            if entry is None:
-                entry = _functions[(variant.name, device_index)] = _load(variant, device_index)
-    return entry[1]
-
-
-def _load(variant: Variant, device_index: int) -> tuple[Any, int]:
-    """(the loaded module, keeping it alive; the `CUfunction` handle) of `variant` on the device.
-
-    The module is loaded from the exact bytes the cache checked (`cuModuleLoadData`), never re-opened
-    by path; a binary the driver refuses is rebuilt once and replaced in the cache.
-    """
-    cupy = import_cupy()
-    load_nvrtc_library()
-    capability, _ = device_facts(device_index)
-    with cupy.cuda.Device(device_index):
-        try:
-            module = _module(cupy, cached_module(variant, capability))
-        except cupy.cuda.driver.CUDADriverError:
-            module = _module(cupy, cached_module(variant, capability, rebuild=True))
-        handle = module.get_function(variant.spec.entry).ptr
-        shared = variant.spec.shared_bytes(variant.head_dim)
-        if shared > 48 * 1024:
-            driver = cupy.cuda.driver
-            driver.funcSetAttribute(handle, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
-    return module, handle
-
-
-def _module(cupy: Any, cubin: bytes) -> Any:
-    """A CuPy `Module` loaded from `cubin`'s bytes in memory."""
-    module = cupy.cuda.function.Module()
-    module.load(cubin)
-    return module
 
 
 _RANGES = {

@@ -1,12 +1,13 @@
 """The public attention entry point and its torch custom op.
 
-`attention()` validates once and, in eager mode, runs the kernel directly: the
-path that keeps host overhead low. Under `torch.compile`, or when autograd
-would record the call, it goes through `torch.ops.pictor.attention` instead.
-That op is opaque to the compiler (a fake implementation serves tracing), so
-compiled FLUX.2 graphs keep it as one node with no graph break; its backward
-raises "inference-only"; being public, it validates its own inputs. Both run
-the same implementation, which is capturable in CUDA graphs.
+`attention()` validates once and, in eager mode, resolves one plan (`cuda.plan`) and runs it
+(`cuda.launch`) on CUDA, or runs the kernel's CPU twin (`reference`): the path that keeps host
+overhead low. Under `torch.compile`, or when autograd would record the call, it goes through
+`torch.ops.pictor.attention` instead. That op is opaque to the compiler (a fake implementation
+serves tracing), so compiled FLUX.2 graphs keep it as one node with no graph break; its backward
+raises "inference-only". Its implementation is `attention()` itself (inside the op nothing is
+compiling or recording, so the call runs eagerly), so, being public, it validates its own inputs.
+Both are capturable in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -15,52 +16,18 @@ import torch
 
 from ..cuda.geometry import Window
 from ..cuda.launch import run
-from ..cuda.plan import plan_attention
-from ..cuda.selection import check_kernel_choice
+from ..cuda.plan import check_kernel_choice, plan_attention
 from ..dtypes import DTYPE_NAMES, DTYPES
 from .custom_ops import inference_op, needs_op
 from .reference import twin_attention
 from .validation import check_attention_inputs, check_flag, check_key_lens, check_scale
 
 
-def _attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    kernel: str,
-    out_dtype: torch.dtype,
-    key_lens: torch.Tensor | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Checked inputs -> token-major `[B, Nq, H*D]` in `out_dtype` (with `return_lse`, and each row's natural
-    log-sum-exp, `[B, Nq, H]` float32): on CUDA the run of the plan that `cuda.plan` resolves, elsewhere the
-    kernel's CPU twin."""
-    if query.device.type == "cuda":
-        batch, heads, seq_q, _ = query.shape
-        lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device) if return_lse else None
-        plan = plan_attention(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens)
-        out = run(plan)
-        return (out, lse) if return_lse else out
-    return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
-
-
-def _validated(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    kernel: str,
-    out_dtype: str,
-    key_lens: torch.Tensor | None,
-) -> None:
-    """The custom ops' own checks (they are public): the same as `attention`'s, with the dtype by name."""
-    if out_dtype not in DTYPES:
-        raise ValueError(f"out_dtype must be one of {tuple(DTYPES)}, got {out_dtype!r}")
-    check_attention_inputs(query, key, value)
-    check_key_lens(key_lens, query)
-    check_kernel_choice(kernel, query.dtype, DTYPES[out_dtype])
-    check_scale(scale)
+def _dtype(name: str) -> torch.dtype:
+    """The dtype a custom op's `out_dtype` names; ValueError for another name."""
+    if name not in DTYPES:
+        raise ValueError(f"out_dtype must be one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def _attention_op_fake(
@@ -86,8 +53,7 @@ def _attention_op(
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _validated(query, key, value, scale, kernel, out_dtype, key_lens)
-    return _attend(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens)
+    return attention(query, key, value, scale, out_dtype=_dtype(out_dtype), kernel=kernel, key_lens=key_lens)
 
 
 def _attention_lse_op_fake(
@@ -115,8 +81,9 @@ def _attention_lse_op(
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _validated(query, key, value, scale, kernel, out_dtype, key_lens)
-    return _attend(query, key, value, scale, kernel, DTYPES[out_dtype], key_lens, return_lse=True)
+    return attention(
+        query, key, value, scale, out_dtype=_dtype(out_dtype), kernel=kernel, return_lse=True, key_lens=key_lens
+    )
 
 
 def attention(
@@ -167,7 +134,7 @@ def attention(
     16-bit inputs on tensor cores with f32 accumulation and an f32 softmax,
     rounds the probabilities to the input dtype for P.V as FlashAttention
     does, and rounds the output once. On CUDA "auto" takes the first kernel of
-    the family that can run the inputs (`selection.select_kernel`); 16-bit
+    the family that can run the inputs (`cuda.plan.select_kernel`); 16-bit
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
     (`pictor_diffusers.ops.reference`); "fp8" runs its quantised twin
@@ -185,7 +152,13 @@ def attention(
         name = DTYPE_NAMES[out_dtype]
         op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
         return op(query, key, value, scale, kernel, name, key_lens)
-    return _attend(query, key, value, scale, kernel, out_dtype, key_lens, return_lse)
+    if query.device.type == "cuda":
+        batch, heads, seq_q, _ = query.shape
+        lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device) if return_lse else None
+        plan = plan_attention(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens)
+        out = run(plan)
+        return (out, lse) if return_lse else out
+    return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
 
 
 def windowed_attention(
