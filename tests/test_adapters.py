@@ -122,7 +122,8 @@ def test_toy_adapter_errors(registry: dict) -> None:
 
 
 def test_unregistered_type_names_the_served_ones(registry: dict) -> None:
-    message = "PictorAttn serves Flux2Attention, Flux2ParallelSelfAttention, FluxAttention and ToyAttention, not Linear"
+    served = "Attention, Flux2Attention, Flux2ParallelSelfAttention, FluxAttention and ToyAttention"
+    message = f"PictorAttn serves {served}, not Linear"
     with pytest.raises(TypeError, match=f"^{message}$"):
         PictorAttn()(torch.nn.Linear(2, 2), torch.randn(1, 2, 2))
 

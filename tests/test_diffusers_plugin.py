@@ -1,5 +1,6 @@
-"""The diffusers-suite tools (CPU): the pytest plugin that puts PictorAttn in every FLUX.2 attention, the hub
-tokenizer substitutes, and the comparison of the stock and PictorAttn runs (`tests/diffusers_suite`)."""
+"""The diffusers-suite tools (CPU): the pytest plugin that puts PictorAttn in every FLUX.2, SD3 and CogVideoX
+attention, the hub tokenizer substitutes, and the comparison of the stock and PictorAttn runs
+(`tests/diffusers_suite`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers.models.attention_processor import AttnProcessor
+from diffusers.models.attention_processor import AttnProcessor, CogVideoXAttnProcessor2_0
 from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
 
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing import diffusers_plugin
+from pictor_diffusers.testing.bypass_models import (
+    TINY_COGVIDEOX_ROPE_CONFIG,
+    TINY_SD35_CONFIG,
+    build_cogvideox,
+    build_sd3,
+    cogvideox_inputs,
+    sd3_inputs,
+)
 from pictor_diffusers.testing.models import (
     build_transformer,
     set_kv_processors,
@@ -43,12 +52,32 @@ def test_every_way_in_ends_at_pictor(plugin) -> None:
     set_stock_processors(model)  # set_attn_processor with a dict
     assert processor_types(model) == {PictorAttn}
     model.transformer_blocks[0].attn.processor = Flux2AttnProcessor()  # past set_processor: caught at forward
-    plugin._counts.update(pictor_attn_calls=0, stock_flux2_calls=0)
+    plugin._counts.update(pictor_attn_calls=0, stock_calls=0)
     with torch.no_grad():
         model(**transformer_inputs(model, 1, (2, 3), 5))
     assert processor_types(model) == {PictorAttn}
     assert plugin._counts["pictor_attn_calls"] == len(model.attn_processors)
-    assert plugin._counts["stock_flux2_calls"] == 0
+    assert plugin._counts["stock_calls"] == 0
+
+
+def test_sd3_and_cogvideox_ways_in_end_at_pictor(plugin) -> None:
+    sd3 = build_sd3(TINY_SD35_CONFIG)
+    assert processor_types(sd3) == {PictorAttn}  # module __init__ (JointAttnProcessor2_0)
+    sd3.fuse_qkv_projections()  # set_attn_processor(FusedJointAttnProcessor2_0())
+    assert processor_types(sd3) == {PictorAttn}
+    cogvideox = build_cogvideox(TINY_COGVIDEOX_ROPE_CONFIG)
+    assert processor_types(cogvideox) == {PictorAttn}
+    cogvideox.transformer_blocks[0].attn1.processor = CogVideoXAttnProcessor2_0()  # past set_processor
+    plugin._counts.update(pictor_attn_calls=0, stock_calls=0)
+    with torch.no_grad():
+        sd3(**sd3_inputs(sd3, 1, (4, 4), 3))
+        cogvideox(**cogvideox_inputs(cogvideox, 1, 2, (4, 4), 7))
+    assert processor_types(cogvideox) == {PictorAttn}
+    served = len(sd3.attn_processors) + len(cogvideox.attn_processors)
+    assert plugin._counts["pictor_attn_calls"] == served and plugin._counts["stock_calls"] == 0
+    attn = cogvideox.transformer_blocks[1].attn1
+    attn.set_processor(AttnProcessor())  # not a processor of these models: kept
+    assert type(attn.processor) is AttnProcessor
 
 
 def test_other_processors_and_settings_kept(plugin, monkeypatch) -> None:

@@ -1,12 +1,14 @@
-"""`PictorAttn`: one diffusers attention processor for every FLUX.2 and FLUX.1 attention.
+"""`PictorAttn`: one diffusers attention processor for every FLUX.2, FLUX.1, SD3 / SD3.5 and CogVideoX attention.
 
     transformer.set_attn_processor(PictorAttn())
 
 The module types it serves are those with an adapter (`pictor_diffusers.integration.adapters`): FLUX.2's
 `Flux2Attention` (double-stream) and `Flux2ParallelSelfAttention` (single-stream), FLUX.1's
-`FluxAttention`. The adapter binds the call and runs the module's projections and output projections
-around `PictorAttn._attend`, with the math of diffusers' stock processors: projections, QK RMSNorm,
-[text, image] token order, RoPE, attention, cast back to the model dtype, output projections. On CUDA
+`FluxAttention`, and diffusers' generic `Attention` as SD3 / SD3.5 and CogVideoX build it. The adapter
+binds the call and runs the module's projections and output projections around `PictorAttn._attend`,
+with the math of diffusers' stock processors: projections, QK norm (RMSNorm; for SD3 and CogVideoX also
+none or LayerNorm), [text, image] token order, RoPE, attention, cast back to the model dtype, output
+projections. On CUDA
 the part after the projections is two launches, the fused prologue and the attention kernel, which
 writes its output in the model dtype; on CPU the same algorithms run in torch. `precision` picks the
 contract ("fp32" parity, "bf16" / "fp16" speed, "fp8" 8-bit speed, "auto"): see
@@ -30,7 +32,7 @@ from .precision import compute_dtype, resolve_kernel
 
 
 class PictorAttn:
-    """Attention processor for FLUX.2 on pictor's attention kernels.
+    """Attention processor for FLUX.2, FLUX.1, SD3 and CogVideoX on pictor's attention kernels.
 
     Args:
         kernel: for precision "fp32": "auto" (fp16x3 wgmma on Hopper at
@@ -42,8 +44,9 @@ class PictorAttn:
         precision: "fp32" (parity, default), "bf16", "fp16", "fp8" or "auto"
             (the model's 16-bit dtype where it has one); see `pictor_diffusers.integration.precision`.
 
-    Serves `Flux2Attention`, `Flux2ParallelSelfAttention` and FLUX.1's
-    `FluxAttention` (and any type with an adapter, `pictor_diffusers.integration.adapters`), and FLUX.2-klein's
+    Serves `Flux2Attention`, `Flux2ParallelSelfAttention`, FLUX.1's `FluxAttention`, the
+    `Attention` modules of SD3 / SD3.5 and CogVideoX (and any type with an adapter,
+    `pictor_diffusers.integration.adapters`), and FLUX.2-klein's
     reference-image KV cache (`kv_cache_mode` "extract" / "cached", `pictor_diffusers.integration.kv_cache`);
     anything else, an attention mask, or an unknown keyword raises an error
     that names it. Under diffusers' context parallelism

@@ -7,6 +7,8 @@ k and v together, reading the projections in the model dtype where they lie
 kernel does not take, `pack_head_major_torch` computes the same in torch.
 Both run the norm and RoPE in float32 and round once into the output dtype
 (float32 for the parity path, the model's 16-bit dtype for the fast path).
+Segments whose QK norms are not all RMSNorms (none, or `torch.nn.LayerNorm`,
+as SD3 and CogVideoX have) take a torch path with the same float32 contract.
 """
 
 from __future__ import annotations
@@ -25,14 +27,26 @@ from .custom_ops import inference_op, needs_op
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
+class RmsParams(NamedTuple):
+    """An RMSNorm over head_dim given by its parameters (for norm modules of other types than
+    `torch.nn.RMSNorm` with the same math): weight `[D]` in any float dtype, or None for ones; eps."""
+
+    weight: torch.Tensor | None
+    eps: float
+
+
+QkNorm = torch.nn.Module | RmsParams | None
+"""A QK norm over head_dim: `torch.nn.RMSNorm` or `RmsParams` (the fused path), `torch.nn.LayerNorm`, or None."""
+
+
 class Segment(NamedTuple):
     """One run of tokens: projections `[B, n, H*D]` (model dtype) and its QK norms."""
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    norm_q: torch.nn.Module
-    norm_k: torch.nn.Module
+    norm_q: QkNorm
+    norm_k: QkNorm
 
 
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -68,25 +82,63 @@ def float_weight(weight: torch.Tensor) -> torch.Tensor:
     return cast
 
 
-def norm_params(norm: torch.nn.Module, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(f32 weight `[D]`, eps) of a `torch.nn.RMSNorm`; TypeError names any other module."""
-    if not isinstance(norm, torch.nn.RMSNorm):
-        raise TypeError(f"PictorAttn expects torch.nn.RMSNorm QK norms, got {type(norm).__name__}")
-    # A registered parameter is read straight from `_parameters` (Module.__getattr__ costs about
-    # 1 µs a call); a parametrized or otherwise computed weight goes through the attribute.
-    weight = norm._parameters.get("weight", _COMPUTED)
-    if weight is _COMPUTED:
-        weight = norm.weight
-    if weight is None:
-        weight = torch.ones(head_dim, device=like.device)
+def _on_device(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`weight` itself; RuntimeError if it is not on `like`'s device (per-layer offloading)."""
     if weight.device != like.device:
         raise RuntimeError(
             f"PictorAttn reads QK-norm weights directly, but this one is on {weight.device} while the "
             f"projections are on {like.device}; per-layer offloading (enable_sequential_cpu_offload, "
             "leaf-level group offloading) is not supported, enable_model_cpu_offload is"
         )
-    eps = norm.eps if norm.eps is not None else torch.finfo(like.dtype).eps
-    return float_weight(weight), float(eps)
+    return weight
+
+
+def norm_params(norm: torch.nn.RMSNorm | RmsParams, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(f32 weight `[D]`, eps) of a `torch.nn.RMSNorm` or `RmsParams`; TypeError names any other norm."""
+    if isinstance(norm, torch.nn.RMSNorm):
+        # A registered parameter is read straight from `_parameters` (Module.__getattr__ costs about
+        # 1 µs a call); a parametrized or otherwise computed weight goes through the attribute.
+        weight = norm._parameters.get("weight", _COMPUTED)
+        if weight is _COMPUTED:
+            weight = norm.weight
+        eps = norm.eps
+    elif isinstance(norm, RmsParams):
+        weight, eps = norm
+    else:
+        raise TypeError(f"PictorAttn expects RMSNorm, LayerNorm or no QK norms, got {type(norm).__name__}")
+    if weight is None:
+        weight = torch.ones(head_dim, device=like.device)
+    eps = eps if eps is not None else torch.finfo(like.dtype).eps
+    return float_weight(_on_device(weight, like)), float(eps)
+
+
+def _normed(projection: torch.Tensor, norm: QkNorm, head_dim: int) -> torch.Tensor:
+    """`projection` `[B, n, H*D]` as float32 `[B, n, H, D]`, through `norm` over D in float32 (None: as is)."""
+    x = projection.unflatten(-1, (-1, head_dim)).float()
+    if norm is None:
+        return x
+    if not isinstance(norm, torch.nn.LayerNorm):
+        return F.rms_norm(x, (head_dim,), *norm_params(norm, head_dim, projection))
+    if tuple(norm.normalized_shape) != (head_dim,):
+        raise ValueError(f"a LayerNorm QK norm must normalise head_dim={head_dim}, not {norm.normalized_shape}")
+    weight, bias = (None if t is None else float_weight(_on_device(t, x)) for t in (norm.weight, norm.bias))
+    return F.layer_norm(x, (head_dim,), weight, bias, norm.eps)
+
+
+def pack_head_major_any_norm(
+    segments: list[Segment], head_dim: int, rope: list[torch.Tensor], dtype: torch.dtype, kv_gap: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_head_major` in torch for any `QkNorm`s: q `[B, H, N, D]` and k, v `[B, H, N + kv_gap[1], D]`,
+    contiguous in `dtype`; norms and RoPE in float32 (rope: `[cos, sin]` float32 `[N, D]`, or empty)."""
+    query = torch.cat([_normed(s.query, s.norm_q, head_dim) for s in segments], dim=1)
+    key = torch.cat([_normed(s.key, s.norm_k, head_dim) for s in segments], dim=1)
+    value = torch.cat([s.value for s in segments], dim=1).unflatten(-1, (-1, head_dim))
+    if rope:
+        query, key = apply_rope(query, (rope[0], rope[1])), apply_rope(key, (rope[0], rope[1]))
+    query, key, value = (
+        t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in (query, key, value)
+    )
+    return query, _open_gap(key, *kv_gap), _open_gap(value, *kv_gap)
 
 
 def _float_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -188,7 +240,9 @@ def pack_head_major(
 
     Args:
         segments: [text, image] for double-stream blocks, [all tokens] for
-            single-stream blocks; projections `[B, n_i, H*D]` in the model dtype.
+            single-stream blocks; projections `[B, n_i, H*D]` in the model dtype. With
+            RMSNorm QK norms (`torch.nn.RMSNorm`, `RmsParams`) the fused path below runs;
+            with any other `QkNorm` (LayerNorm, None) `pack_head_major_any_norm`.
         head_dim: D.
         rope: `(cos, sin)`, each `[sum n_i, D]`, or None.
         dtype: float32, bfloat16 or float16 for the outputs (math is f32 either way).
@@ -204,8 +258,10 @@ def pack_head_major(
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
     image = segments[-1]
     norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
-    params = [norm_params(norm, head_dim, image.query) for norm in norms]
     rope_list = [_float_table(t, image.query.device) for t in rope] if rope else []
+    if not all(isinstance(norm, (torch.nn.RMSNorm, RmsParams)) for norm in norms):
+        return pack_head_major_any_norm(segments, head_dim, rope_list, dtype, kv_gap)
+    params = [norm_params(norm, head_dim, image.query) for norm in norms]
     projections = [t for segment in segments for t in segment[:3]]
     weights, eps = [w for w, _ in params], [e for _, e in params]
     if needs_op(*projections):

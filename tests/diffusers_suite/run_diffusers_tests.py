@@ -1,18 +1,22 @@
 #!/usr/bin/env python
-"""Run diffusers' own FLUX.2 tests twice, stock and with PictorAttn in every FLUX.2 attention, and compare.
+"""Run diffusers' own tests of one model twice, stock and with PictorAttn in every attention it serves, and compare.
 
-    python tests/diffusers_suite/run_diffusers_tests.py --diffusers-tests PATH [--out result.json]
+    python tests/diffusers_suite/run_diffusers_tests.py --diffusers-tests PATH [--model flux2|sd3|cogvideox]
+        [--out result.json]
 
 PATH holds diffusers' `tests/` folder (a diffusers clone, or `git archive <tag> tests` unpacked), at the tag of
-the installed diffusers. The targets are `tests/models/transformers/test_models_transformer_flux2.py` and
-`tests/pipelines/flux2/`. Both runs load `pictor_diffusers.testing.hub_substitutes` (local tokenizers for the
-two hub ids the pipeline tests fetch) with `HF_HUB_OFFLINE=1`; the second adds
-`pictor_diffusers.testing.diffusers_plugin` (`PICTOR_DIFFUSERS_PRECISION`, default fp32).
+the installed diffusers. The targets (`TARGETS`): for `flux2` (the default)
+`tests/models/transformers/test_models_transformer_flux2.py` and `tests/pipelines/flux2/`; for `sd3` and
+`cogvideox` the model tests `test_models_transformer_sd3.py` (SD3 and SD3.5) and
+`test_models_transformer_cogvideox.py` (1.0 and 1.5); their pipeline tests load text encoders from the hub.
+Both runs load `pictor_diffusers.testing.hub_substitutes` (local tokenizers for the two hub ids the FLUX.2
+pipeline tests fetch) with `HF_HUB_OFFLINE=1`; the second adds `pictor_diffusers.testing.diffusers_plugin`
+(`PICTOR_DIFFUSERS_PRECISION`, default fp32).
 
 Prints and writes JSON: per-run outcome counts; `regressions`, the tests that pass stock and fail with PictorAttn
 (training tests apart, in `training_regressions`: the kernels are inference-only); `fixed`, the reverse;
-`stock_processor_calls`, any test in the PictorAttn run where a diffusers FLUX.2 processor still ran; how many
-tests exercised PictorAttn, the passing tests that ran no FLUX.2 attention, and the skip reasons.
+`stock_processor_calls`, any test in the PictorAttn run where a replaced diffusers processor still ran; how many
+tests exercised PictorAttn, the passing tests that ran no served attention, and the skip reasons.
 Exit status: 0 when there are no regressions outside training and no stock calls,
 1 otherwise, 2 when the diffusers tests are missing or pytest could not run them.
 
@@ -32,17 +36,21 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-TARGETS = ("tests/models/transformers/test_models_transformer_flux2.py", "tests/pipelines/flux2")
+TARGETS = {
+    "flux2": ("tests/models/transformers/test_models_transformer_flux2.py", "tests/pipelines/flux2"),
+    "sd3": ("tests/models/transformers/test_models_transformer_sd3.py",),
+    "cogvideox": ("tests/models/transformers/test_models_transformer_cogvideox.py",),
+}
 HUB_PLUGIN = "pictor_diffusers.testing.hub_substitutes"
 PICTOR_PLUGIN = "pictor_diffusers.testing.diffusers_plugin"
-TRAINING = re.compile(r"Training")  # diffusers' TrainingTesterMixin classes: TestFlux2TransformerTraining
+TRAINING = re.compile(r"Training")  # diffusers' TrainingTesterMixin classes: TestSD3TransformerTraining, ...
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / ".diffusers-tests"
 
 
-def missing_message(root: Path) -> str:
+def missing_message(root: Path, targets: tuple[str, ...]) -> str:
     return (
-        f"diffusers' tests are not at {root} (need {', '.join(TARGETS)}).\n"
+        f"diffusers' tests are not at {root} (need {', '.join(targets)}).\n"
         "Get them at the installed diffusers' tag, e.g.\n"
         "  git clone --depth 1 --branch v$(python -c 'import diffusers; print(diffusers.__version__)') "
         "https://github.com/huggingface/diffusers /tmp/diffusers\n"
@@ -75,10 +83,12 @@ def read_junit(path: Path) -> dict[str, dict]:
     return results
 
 
-def run_pytest(root: Path, junit: Path, pictor: bool, precision: str, extra: list[str]) -> int:
+def run_pytest(
+    root: Path, junit: Path, pictor: bool, precision: str, targets: tuple[str, ...], extra: list[str]
+) -> int:
     plugins = ["-p", HUB_PLUGIN] + (["-p", PICTOR_PLUGIN] if pictor else [])
     command = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(root), "-p", "no:cacheprovider"]
-    command += [*plugins, "-q", "-rfE", f"--junitxml={junit}", *extra, *TARGETS]
+    command += [*plugins, "-q", "-rfE", f"--junitxml={junit}", *extra, *targets]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PICTOR_DIFFUSERS_PRECISION=precision)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     label = "PictorAttn" if pictor else "stock"
@@ -101,7 +111,7 @@ def compare(stock: dict[str, dict], pictor: dict[str, dict]) -> dict:
     fixed = [t for t in tests if pictor.get(t, {}).get("outcome") == "passed"
              and stock.get(t, {}).get("outcome") in ("failed", "error")]  # fmt: skip
     calls = {t: int(r["properties"].get("pictor_attn_calls", 0) or 0) for t, r in pictor.items()}
-    stock_calls = {t: int(r["properties"].get("stock_flux2_calls", 0) or 0) for t, r in pictor.items()}
+    stock_calls = {t: int(r["properties"].get("stock_calls", 0) or 0) for t, r in pictor.items()}
     skips = Counter(r["message"] for r in pictor.values() if r["outcome"] == "skipped")
     return {
         "counts": {
@@ -114,7 +124,7 @@ def compare(stock: dict[str, dict], pictor: dict[str, dict]) -> dict:
         "stock_processor_calls": sorted(t for t, n in stock_calls.items() if n),
         "tests_exercising_pictor": sum(n > 0 for n in calls.values()),
         "passed_exercising_pictor": sum(n > 0 and pictor[t]["outcome"] == "passed" for t, n in calls.items()),
-        "passed_without_flux2_attention": sorted(
+        "passed_without_served_attention": sorted(
             t for t, n in calls.items() if not n and pictor[t]["outcome"] == "passed"
         ),
         "skip_reasons": dict(skips.most_common()),
@@ -129,20 +139,21 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(os.environ.get("DIFFUSERS_TESTS", DEFAULT_ROOT)),
         help="folder holding diffusers' tests/ (default: $DIFFUSERS_TESTS, else .diffusers-tests/)",
     )
+    parser.add_argument("--model", choices=sorted(TARGETS), default="flux2", help="whose tests (default: flux2)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
     parser.add_argument("--precision", default=os.environ.get("PICTOR_DIFFUSERS_PRECISION", "fp32"))
     parser.add_argument("pytest_args", nargs="*", help="passed to both pytest runs (after --), e.g. -k Klein")
     args = parser.parse_args(argv)
 
-    root = args.diffusers_tests.resolve()
-    if not all((root / target).exists() for target in TARGETS):
-        print(missing_message(root), file=sys.stderr)
+    root, targets = args.diffusers_tests.resolve(), TARGETS[args.model]
+    if not all((root / target).exists() for target in targets):
+        print(missing_message(root, targets), file=sys.stderr)
         return 2
     import diffusers
 
     with tempfile.TemporaryDirectory(prefix="pictor-diffusers-suite-") as tmp:
         junits = {mode: Path(tmp) / f"{mode}.xml" for mode in ("stock", "pictor")}
-        codes = {mode: run_pytest(root, junits[mode], mode == "pictor", args.precision, args.pytest_args)
+        codes = {mode: run_pytest(root, junits[mode], mode == "pictor", args.precision, targets, args.pytest_args)
                  for mode in junits}  # fmt: skip
         if any(code not in (0, 1) or not junits[mode].exists() for mode, code in codes.items()):
             print(f"pytest did not complete a run (exit codes {codes})", file=sys.stderr)
@@ -154,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "diffusers_tests": str(root),
         "diffusers_tests_source": source.read_text().strip() if source.exists() else None,
         "diffusers_version": diffusers.__version__,
+        "model": args.model,
         "precision": args.precision,
         **compare(stock, pictor),
     }

@@ -142,7 +142,13 @@ def served_names() -> str:
 
 
 def adapter_for(attn: torch.nn.Module) -> Adapter:
-    """The adapter of `attn`'s type or its nearest registered base; TypeError names unserved types."""
+    """The adapter of `attn`'s type or its nearest registered base; TypeError names unserved types.
+
+    A registered type is looked up directly (the MRO walk is for subclasses; dynamo cannot iterate the MRO
+    of classes diffusers marks `allow_in_graph`, such as `Attention`)."""
+    adapter = ADAPTERS.get(type(attn))
+    if adapter is not None:
+        return adapter
     for module_type in type(attn).__mro__:
         adapter = ADAPTERS.get(module_type)
         if adapter is not None:
