@@ -81,11 +81,13 @@ def test_pictor_on_fp8_linears_compiled_fullgraph(precision: str) -> None:
     model.fuse_qkv_projections()
     quantize_block_linears(model)
     inputs = transformer_inputs(model, batch=1, latent_hw=(9, 13), text_len=24)
-    eager = forward(model, inputs, PictorAttn(precision=precision), False)
+    eager_error = rel_l2(
+        forward(model, inputs, PictorAttn(precision=precision), False), forward(model, inputs, None, False)
+    )
     stock = forward(model, inputs, None, True)
     compiled = forward(model, inputs, PictorAttn(precision=precision), True)
     assert torch.isfinite(compiled).all()
-    assert rel_l2(compiled, eager) <= max(rel_l2(eager, stock), 1e-3)
+    assert rel_l2(compiled, stock) <= 2 * eager_error + 1e-3
 
 
 def test_a_gpu_without_fp8_units_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
