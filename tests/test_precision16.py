@@ -205,6 +205,20 @@ def test_pack_head_major_16bit_is_the_f32_result_rounded_once(model_dtype: torch
         assert torch.equal(got, ref.to(out_dtype)), f"{name}: not the f32 prologue rounded once to {out_dtype}"
 
 
+@pytest.mark.parametrize("norm", ["none", "layer_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+def test_pack_head_major_without_rms_norms_is_contiguous(dtype: torch.dtype, norm: str) -> None:
+    """The torch path for SD3 / CogVideoX norms copies v too when it is already in `dtype`."""
+    segments, rope = _segments(dtype)
+    make = (lambda: None) if norm == "none" else (lambda: torch.nn.LayerNorm(64, eps=1e-6).to(dtype))
+    segments = [segment._replace(norm_q=make(), norm_k=make()) for segment in segments]
+    for got in pack_head_major(segments, 64, rope, dtype=dtype, kv_gap=(5, 3)):
+        assert got.dtype == dtype and got.is_contiguous() and got.shape[:2] == (2, 3)
+    value = pack_head_major(segments, 64, None, dtype=dtype)[2]
+    expected = torch.cat([segment.value for segment in segments], dim=1).unflatten(-1, (3, 64)).transpose(1, 2)
+    assert torch.equal(value, expected)
+
+
 def test_pack_head_major_refuses_other_dtypes() -> None:
     segments, rope = _segments(torch.float32)
     with pytest.raises(ValueError, match=re.escape(str(torch.float64))):

@@ -136,7 +136,7 @@ def pack_head_major_any_norm(
     if rope:
         query, key = apply_rope(query, (rope[0], rope[1])), apply_rope(key, (rope[0], rope[1]))
     query, key, value = (
-        t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for t in (query, key, value)
+        t.transpose(1, 2).to(dtype, copy=True, memory_format=torch.contiguous_format) for t in (query, key, value)
     )
     return query, _open_gap(key, *kv_gap), _open_gap(value, *kv_gap)
 
@@ -148,6 +148,14 @@ def _float_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.to(device=device, dtype=torch.float32).contiguous()
 
 
+def rms_segments(projections: list[torch.Tensor], weights: list[torch.Tensor], eps: list[float]) -> list[Segment]:
+    """`pictor::qkv_prologue`'s flat arguments (3 or 6 projections, 2 or 4 norm weights and eps) as segments."""
+    return [
+        Segment(*projections[i : i + 3], RmsParams(weights[j], eps[j]), RmsParams(weights[j + 1], eps[j + 1]))
+        for i, j in ((0, 0), (3, 2))[: len(projections) // 3]
+    ]
+
+
 def pack_head_major_torch(
     projections: list[torch.Tensor], weights: list[torch.Tensor], rope: list[torch.Tensor], eps: list[float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,18 +163,8 @@ def pack_head_major_torch(
 
     Returns q, k, v as contiguous float32 `[B, H, N, D]`.
     """
-    head_dim = weights[0].shape[0]
-    segments = [(projections[i : i + 3], weights[j : j + 2], eps[j : j + 2]) for i, j in ((0, 0), (3, 2))]
-    q_parts, k_parts, v_parts = [], [], []
-    for segment, (w_q, w_k), (eps_q, eps_k) in segments[: len(projections) // 3]:
-        q_parts.append(F.rms_norm(segment[0].unflatten(-1, (-1, head_dim)).float(), (head_dim,), w_q, eps_q))
-        k_parts.append(F.rms_norm(segment[1].unflatten(-1, (-1, head_dim)).float(), (head_dim,), w_k, eps_k))
-        v_parts.append(segment[2])
-    query, key = torch.cat(q_parts, dim=1), torch.cat(k_parts, dim=1)
-    value = torch.cat(v_parts, dim=1).unflatten(-1, (-1, head_dim)).float()
-    if rope:
-        query, key = apply_rope(query, (rope[0], rope[1])), apply_rope(key, (rope[0], rope[1]))
-    return tuple(t.transpose(1, 2).contiguous() for t in (query, key, value))
+    segments = rms_segments(projections, weights, eps)
+    return pack_head_major_any_norm(segments, weights[0].shape[0], rope, torch.float32, (0, 0))
 
 
 def _open_gap(tensor: torch.Tensor, gap_at: int, kv_gap: int) -> torch.Tensor:
@@ -196,8 +194,8 @@ def _prologue_impl(
     layout = prologue_layout(projections, weights, rope, eps)
     if layout is not None and layout.device_index >= 0:
         return qkv_prologue_cuda(layout, dtype, gap_at, kv_gap, one_allocation=eager)
-    query, key, value = (t.to(dtype) for t in pack_head_major_torch(projections, weights, rope, eps))
-    return query, _open_gap(key, gap_at, kv_gap), _open_gap(value, gap_at, kv_gap)
+    segments = rms_segments(projections, weights, eps)
+    return pack_head_major_any_norm(segments, weights[0].shape[0], rope, dtype, (gap_at, kv_gap))
 
 
 def _prologue_op_fake(
