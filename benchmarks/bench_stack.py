@@ -23,6 +23,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,18 +71,18 @@ def run(model: torch.nn.Module, inputs: dict, backend: str, args: argparse.Names
     return out, {"ms": ms, "compile_s": compile_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def bench_linears(linears: str, args: argparse.Namespace) -> list[dict]:
-    """Every backend on one model with `linears`; stock first, as the ratios' base."""
+def bench_linears(linears: str, args: argparse.Namespace, emit: Callable[[dict], None]) -> None:
+    """Every backend on one model with `linears`, each record passed to `emit`; stock first, as the ratios' base."""
     model = build(args.model, args.blocks, linears, args.tune_inductor)
     latent = args.image // 16
     inputs = transformer_inputs(model, batch=1, latent_hw=(latent, latent), text_len=TEXT_TOKENS)
-    records, stock = [], None
+    stock = None
     for backend in ["stock", *(b for b in args.backends if b != "stock")]:
         torch.cuda.reset_peak_memory_stats()
         out, timing = run(model, inputs, backend, args)
         stock = (out.double(), timing["ms"]) if backend == "stock" else stock
         rel_l2 = ((out.double() - stock[0]).norm() / stock[0].norm()).item()
-        records.append(
+        emit(
             {
                 "suite": "stack",
                 "model": args.model,
@@ -108,7 +109,6 @@ def bench_linears(linears: str, args: argparse.Namespace) -> list[dict]:
     del model, inputs, stock
     gc.collect()
     torch.cuda.empty_cache()
-    return records
 
 
 def parse_args() -> argparse.Namespace:
@@ -138,11 +138,17 @@ def main() -> None:
     args = parse_args()
     if args.stacks:
         faulthandler.dump_traceback_later(args.stacks, repeat=True, file=sys.stderr)
-    records = [r for linears in args.linears for r in bench_linears(linears, args)]
-    if args.json:
-        env = environment()
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([{**r, **env} for r in records], indent=1))
+    env, records = environment(), []
+
+    def emit(record: dict) -> None:
+        """Keep `record` and rewrite the JSON, so a run cut short still leaves what it measured."""
+        records.append({**record, **env})
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(records, indent=1))
+
+    for linears in args.linears:
+        bench_linears(linears, args, emit)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call for the stack records (issue 29): fp8-linear GPU tests, then bench_stack steps, each under a
+# timeout cut to the time left. Usage (repo root, device machine): BUDGET=580 bash benchmarks/run_stack.sh STEP...
+# Steps: tests (the fp8-linear GPU tests), regional:<image> (all six configs, repeated blocks compiled),
+# whole:<image>[:<linears>] (the whole model compiled), probe (a 1+2-block fp8 model compiled whole, torchao's
+# inductor options off then on: compile seconds), suite (the GPU test suite), layers, auto_route.
+set -u -o pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z_' | sed 's/nvidia_//; s/_.*//')
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+SECONDS=0
+step() {  # step SECONDS COMMAND...: run COMMAND under the smaller of SECONDS and the time left
+  local limit=$1 left=$(( ${BUDGET:-580} - SECONDS )); shift
+  [ "$left" -lt 30 ] && { echo "[$SECONDS s] skipped (no time): $*"; return; }
+  [ "$limit" -gt "$left" ] && limit=$left
+  timeout -s INT -k 10 "$limit" "$@"
+  echo "[$SECONDS s] rc=$? $*"
+}
+stack() { (cd benchmarks && step "$@"); }
+for spec in "$@"; do
+  IFS=: read -r name image linears <<< "$spec"
+  case $name in
+    tests) step 150 python3 -m pytest -q -x -rs tests/test_gpu_fp8_linears.py 2>&1 | tail -5 ;;
+    suite) step 400 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|^E  " | tail -20 ;;
+    regional) stack 330 python3 bench_stack.py --image "$image" --regional --stacks 240 \
+      --json "$OUT/${GPU}_stack_${image}_regional.json" ;;
+    whole) stack 400 python3 bench_stack.py --image "$image" --linears "${linears:-bf16,fp8}" --stacks 240 \
+      --json "$OUT/${GPU}_stack_${image}_whole_${linears:-all}.json" ;;
+    probe)
+      stack 120 python3 bench_stack.py --blocks 1,2 --linears fp8 --backends stock --reps 3 --stacks 100 \
+        --json "$OUT/${GPU}_stack_probe_default.json"
+      stack 150 python3 bench_stack.py --blocks 1,2 --linears fp8 --backends stock --reps 3 --tune-inductor \
+        --stacks 140 --json "$OUT/${GPU}_stack_probe_tuned.json" ;;
+    layers) step 240 python3 benchmarks/bench_layers.py --json "$OUT/${GPU}_layers.json" ;;
+    auto_route) step 120 python3 benchmarks/bench_auto_route.py --json "$OUT/${GPU}_auto_route.json" ;;
+    *) echo "unknown step $spec"; exit 2 ;;
+  esac
+done
