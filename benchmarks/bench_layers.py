@@ -58,17 +58,16 @@ def main() -> None:
     args = parser.parse_args()
     builders = layers("cuda", wan_tokens=args.wan_tokens)
     names = args.layers.split(",") if args.layers else list(builders)
-    rows = []
+    env, records = environment(), []
     for name in names:
         row = measure(name, builders[name](), args.reps)
-        rows.append(row)
+        records.append({"suite": "layers", **row, **env})
+        if args.json:  # rewritten after every row, so a run cut short keeps what it measured
+            args.json.write_text(json.dumps(records, indent=2) + "\n")
         gc.collect()
         torch.cuda.empty_cache()
         cells = "  ".join(f"{b} {row[f'{b}_ms']:.3f} ms ({row[f'{b}_ratio']:.3f}x)" for b in BACKENDS)
         print(f"{name}: native {row['native_ms']:.3f} ms  {cells}", flush=True)
-    if args.json:
-        record = {"suite": "layers", **environment(), "rows": rows}
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

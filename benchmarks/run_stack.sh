@@ -3,7 +3,8 @@
 # timeout cut to the time left. Usage (repo root, device machine): BUDGET=580 bash benchmarks/run_stack.sh STEP...
 # Steps: tests (the fp8-linear GPU tests), regional:<image> (all six configs, repeated blocks compiled),
 # whole:<image>[:<linears>] (the whole model compiled), probe (a 1+2-block fp8 model compiled whole, torchao's
-# inductor options off then on: compile seconds), suite (the GPU test suite), layers, auto_route.
+# inductor options off then on: compile seconds), suite (the GPU test suite), host (profile_host.py), layers,
+# auto_route.
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -34,6 +35,7 @@ for spec in "$@"; do
         --json "$OUT/${GPU}_stack_probe_default.json"
       stack 150 python3 bench_stack.py --blocks 1,2 --linears fp8 --backends stock --reps 3 --tune-inductor \
         --stacks 140 --json "$OUT/${GPU}_stack_probe_tuned.json" ;;
+    host) step 120 python3 benchmarks/profile_host.py --json "$OUT/${GPU}_host_profile.json" ;;
     layers) step 240 python3 benchmarks/bench_layers.py --json "$OUT/${GPU}_layers.json" ;;
     auto_route) step 120 python3 benchmarks/bench_auto_route.py --json "$OUT/${GPU}_auto_route.json" ;;
     *) echo "unknown step $spec"; exit 2 ;;
