@@ -1,4 +1,4 @@
-"""Additive float masks through pictor's diffusers backends, on CPU (`dispatcher_call.float_key_padding`'s rule).
+"""Additive float masks through pictor's diffusers backends, on CPU (`key_padding.float_key_padding`'s rule).
 
 * key-padding float masks (0 kept; -inf, finfo.min or -10000 dropped; the same over heads and queries) are served,
   in every broadcast form SDPA takes, LTX-Video's materialized `[B, H, 1, Nk]` included, as accurate as native
@@ -29,7 +29,7 @@ from test_backend import (
 )
 from test_flux1 import count_pictor_calls, rel_l2
 
-from pictor_diffusers.integration.dispatcher_call import DROPPED_AT
+from pictor_diffusers.integration.key_padding import DROPPED_AT
 
 HEADS = 2
 DROPPED = {"-inf": lambda dtype: float("-inf"), "finfo.min": lambda dtype: torch.finfo(dtype).min,

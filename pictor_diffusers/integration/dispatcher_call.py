@@ -8,8 +8,9 @@ token-major `[B, Nq, H*D]` output is returned as a `[B, Nq, H, D]` view, without
 
 Served: non-causal attention without dropout, any Nq and Nk (Wan's text cross-attention), equal
 q/k/v heads and head_dim (1..384), float32 / bfloat16 / float16 on CPU or CUDA, inference (no autograd
-recording), key-padding masks (`key_padding`: Qwen-Image's boolean `[B, 1, 1, Nk]` text-padding mask, holes
-anywhere; LTX-Video's additive float `[B, H, 1, Nk]` mask of 0 and -10000, by `float_key_padding`'s rule), and
+recording), key-padding masks (`key_padding.padding_of`, read once per mask object: Qwen-Image's boolean
+`[B, 1, 1, Nk]` text-padding mask, holes anywhere; LTX-Video's additive float `[B, H, 1, Nk]` mask of 0 and
+-10000), and
 context parallelism (`_parallel_config`) without a mask: diffusers' own Ulysses / ring /
 unified templates run around pictor's kernel, the ring merging by pictor's log-sum-exp. A key-padding mask
 costs no extra pass: the one copy to head-major gathers each batch's kept keys to the front, and the
@@ -34,11 +35,9 @@ from ..cuda.registry import BY_NAME, MAX_HEAD_DIM
 from ..ops.attention import attention
 from ..ops.custom_ops import no_backward
 from ..ops.validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
+from .key_padding import DROPPED_AT, KeyPadding, padding_of
 
 _MAX_GRID = 65535
-DROPPED_AT = -1000.0
-"""An additive float mask value at or below this drops its key: its weight, e^(logit + value - row max), is
-exactly 0 in float32 unless the key's logit exceeds the row's largest kept one by ~900."""
 _WARNED: set[str] = set()
 Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -56,13 +55,13 @@ def _unsupported(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    padding: torch.Tensor | None,
+    padding: KeyPadding | None,
     dropout_p: float,
     is_causal: bool,
     scale: float | None,
 ) -> tuple[str, str] | None:
     """(reason key, what it is) when pictor's kernels cannot serve the call, else None
-    (`padding`: `attn_mask` as `key_padding` or `float_key_padding` reads it)."""
+    (`padding`: `attn_mask` as `key_padding.padding_of` reads it)."""
     if attn_mask is not None and padding is None:
         shape, dtype = tuple(attn_mask.shape), attn_mask.dtype
         if attn_mask.is_floating_point():
@@ -96,43 +95,6 @@ def _unsupported(
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return "autograd", "gradients (autograd records this call; pictor's kernels are inference-only)"
     return None
-
-
-def key_padding(attn_mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor | None:
-    """`attn_mask` as a `[B, Nk]` bool key-padding mask (True: attend), or None when it is not one.
-
-    Key padding: bool, and, broadcast as SDPA does to `[B, H, Nq, Nk]` (dims aligned from the right), the
-    same for every head and query: `[1, Nk]`, `[1, 1, Nk]` or `[1|B, 1, 1, Nk]` (a 2-D `[B, Nk]` would
-    broadcast over queries, not batches). Masks that vary over queries or heads are not key padding.
-    """
-    if attn_mask.dtype != torch.bool or not 2 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != seq_k:
-        return None
-    leading = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape[:-1])
-    if leading[0] not in (1, batch) or leading[1:] != (1, 1):
-        return None
-    return attn_mask.reshape(-1, seq_k).expand(batch, seq_k)
-
-
-def float_key_padding(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> torch.Tensor | None:
-    """An additive float `attn_mask` as a `[B, Nk]` bool key-padding mask (True: attend), or None when it is not one.
-
-    Key padding, as SDPA broadcasts it to `[B, H, Nq, Nk]`: shape `[1, Nk]`, `[1|H, 1, Nk]` or `[1|B, 1|H, 1, Nk]`;
-    every value exactly 0 (kept) or <= `DROPPED_AT` (dropped: -inf, finfo.min, LTX's -10000); the same keys kept
-    for every head; each batch keeping at least one key (with none kept, finite values weigh all keys alike).
-    Anything else (biases, positives, NaN, masks over queries) is not. The values are read once: one host sync
-    on CUDA; under torch.compile or CUDA graph capture no float mask is key padding.
-    """
-    if not attn_mask.is_floating_point() or not 2 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != seq_k:
-        return None
-    leading = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape[:-1])
-    if leading[0] not in (1, batch) or leading[1] not in (1, heads) or leading[2] != 1:
-        return None
-    if torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    mask = attn_mask.reshape(leading[0], leading[1], seq_k)
-    kept = mask == 0
-    valid = (kept | (mask <= DROPPED_AT)).all() & (kept == kept[:, :1]).all() & kept.any(-1).all()
-    return kept[:, 0].expand(batch, seq_k) if valid.item() else None
 
 
 def _gathered(tensor: torch.Tensor, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -189,9 +151,9 @@ def _runnable(kernel: str, compute: torch.dtype, tensors: tuple[torch.Tensor, ..
 
 def _serve(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
-    kernel: str, return_lse: bool, padding: torch.Tensor | None = None,
+    kernel: str, return_lse: bool, padding: KeyPadding | None = None,
 ) -> Output:  # fmt: skip
-    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a `[B, Nk]` bool key-padding mask, `key_padding`'s) -> pictor
+    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a key-padding mask, `key_padding.padding_of`'s) -> pictor
     attention with `kernel` ("auto", or an 8-bit kernel where it can run) -> `[B, Nq, H, D]` in the inputs'
     dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
@@ -205,9 +167,8 @@ def _serve(
     if padding is None:
         k, v, key_lens = _head_major(key, compute), _head_major(value, compute), None
     else:
-        kept_first = torch.argsort((~padding).to(torch.uint8), dim=1, stable=True)[:, None, :, None]
-        k, v = _gathered(key, kept_first, compute), _gathered(value, kept_first, compute)
-        key_lens = padding.sum(1, dtype=torch.int32)
+        k, v = _gathered(key, padding.order, compute), _gathered(value, padding.order, compute)
+        key_lens = padding.key_lens
     out_dtype = dtype if compute == torch.float32 else compute
     result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens, kernel=kernel)
     out, lse = result if return_lse else (result, None)
@@ -260,10 +221,7 @@ def make_backend(
     ) -> Output:
         padding = None
         if attn_mask is not None:
-            batch, heads, seq_k = query.shape[0], query.shape[-2], key.shape[1]
-            padding = key_padding(attn_mask, batch, seq_k)
-            if padding is None:
-                padding = float_key_padding(attn_mask, batch, heads, seq_k)
+            padding = padding_of(attn_mask, query.shape[0], query.shape[-2], key.shape[1])
         problem = _unsupported(query, key, value, attn_mask, padding, dropout_p, is_causal, scale)
         if problem is None and _parallel_config is not None and template is None:
             problem = ("parallel_config", "context parallelism (this diffusers has no context-parallel template)")

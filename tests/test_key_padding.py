@@ -1,0 +1,98 @@
+"""`key_padding.padding_of`: what the backend derives from a mask is read once per mask object, read again
+when the mask is written in place, and dropped with the mask; boolean and additive float masks alike."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from pictor_diffusers.integration import key_padding
+from pictor_diffusers.integration.key_padding import DROPPED_AT, padding_of
+
+BATCH, HEADS = 2, 3
+
+
+def kept(seq_k: int) -> torch.Tensor:
+    """`[B, Nk]` bool: batch 0 keeps all but a hole, batch 1 a shorter prefix with a hole."""
+    keep = torch.ones(BATCH, seq_k, dtype=torch.bool)
+    keep[0, seq_k // 3] = False
+    keep[1, seq_k // 2 :] = False
+    keep[1, 1] = False
+    return keep
+
+
+def as_mask(keep: torch.Tensor, kind: str) -> torch.Tensor:
+    """`keep` as Qwen's bool `[B, 1, 1, Nk]` or LTX's additive bf16 `[B, H, 1, Nk]` (0 / -10000)."""
+    if kind == "bool":
+        return keep[:, None, None, :].clone()
+    values = torch.where(keep, 0.0, -10000.0).to(torch.bfloat16)
+    return values[:, None, None, :].expand(BATCH, HEADS, 1, keep.shape[1]).contiguous()
+
+
+def expected(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_lens, the first key_lens[b] gathered key indices of each batch)."""
+    lens = keep.sum(1, dtype=torch.int32)
+    return lens, [torch.nonzero(row).flatten() for row in keep]
+
+
+def check(mask: torch.Tensor, keep: torch.Tensor) -> None:
+    padding = padding_of(mask, BATCH, HEADS, keep.shape[1])
+    lens, indices = expected(keep)
+    assert torch.equal(padding.key_lens, lens)
+    for b in range(BATCH):
+        assert torch.equal(padding.order[b, 0, : lens[b], 0], indices[b])
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("seq_k", [7, 128, 300])
+def test_read_once_per_mask(kind: str, seq_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    keep = kept(seq_k)
+    mask = as_mask(keep, kind)
+    reads = []
+    for name in ("bool_key_padding", "float_key_padding"):
+        original = getattr(key_padding, name)
+        monkeypatch.setattr(key_padding, name, lambda *a, _f=original, _n=name: reads.append(_n) or _f(*a))
+    for _ in range(4):
+        check(mask, keep)
+    assert len(reads) == (1 if kind == "bool" else 2), reads
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_written_in_place_is_read_again(kind: str) -> None:
+    keep = kept(65)
+    mask = as_mask(keep, kind)
+    check(mask, keep)
+    keep[0, 10:20] = False
+    mask.copy_(as_mask(keep, kind))
+    check(mask, keep)
+    if kind == "float":
+        mask[0, 0, 0, 3] = 0.5  # a bias: no longer key padding
+        assert padding_of(mask, BATCH, HEADS, 65) is None
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_other_shapes_are_not_served_from_the_cache(kind: str) -> None:
+    keep = kept(33)
+    mask = as_mask(keep, kind)
+    check(mask, keep)
+    assert padding_of(mask, BATCH, HEADS, 34) is None, "another key count must not reuse the entry"
+
+
+def test_not_key_padding_is_cached_too() -> None:
+    mask = torch.full((BATCH, HEADS, 1, 40), DROPPED_AT / 2)
+    assert padding_of(mask, BATCH, HEADS, 40) is None
+    assert padding_of(mask, BATCH, HEADS, 40) is None
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_entries_die_with_their_mask(kind: str) -> None:
+    mask = as_mask(kept(50), kind)
+    padding_of(mask, BATCH, HEADS, 50)
+    before, alive = len(key_padding._derived), weakref.ref(mask)
+    del mask
+    gc.collect()
+    assert alive() is None, "the cache keeps the mask alive"
+    assert len(key_padding._derived) == before - 1
