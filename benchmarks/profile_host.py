@@ -1,6 +1,7 @@
 """Where the host time of a backend call goes: µs per call and cProfile's top functions, per case.
 
-Cases, bf16 through `dispatch_attention_fn` (native vs pictor_bf16) and `attention()` directly (fp16x3 on f32):
+Cases, bf16 through `dispatch_attention_fn` (native vs pictor_bf16; and pictor_bf16's backend function called
+directly, without the dispatcher's own host time) and `attention()` directly (fp16x3 on f32):
 `short` (B1 H2 N64 D128: host-bound), `cross` (B2 H24, 8192 queries over 300 keys), `masked` (B2 H24 N512
 with a bool key-padding mask), `float-masked` (the same keys under an additive 0 / -10000 float mask),
 `fp16x3` (`attention()` on f32 B1 H2 N64 D128). Host time: back-to-back calls while the GPU is held busy
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from bench_kernel import environment
 from bench_overheads import host_us_per_call
+from diffusers.models import attention_dispatch
 from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
 
 import pictor_diffusers
@@ -43,6 +45,12 @@ def cases() -> dict[str, tuple]:
         "masked": (token_major(2, 512), kv512, kv512, keep[:, None, None, :]),
         "float-masked": (token_major(2, 512), kv512, kv512, additive),
     }
+
+
+def backend_function(name: str) -> object:
+    """The function diffusers' dispatcher calls for backend `name` (without the dispatcher's own host time)."""
+    registry = attention_dispatch._AttentionBackendRegistry
+    return registry._backends[attention_dispatch.AttentionBackendName(name)]
 
 
 def profile(run: object, calls: int = 300) -> list[str]:
@@ -73,6 +81,13 @@ def main() -> None:
                     return dispatch_attention_fn(q, k, v, attn_mask=mask)
 
             records.append({"case": name, "backend": backend, "host_us": host_us_per_call(run), "top": profile(run)})
+        function = backend_function("pictor_bf16")
+
+        def direct_backend(q=q, k=k, v=v, mask=mask, function=function) -> torch.Tensor:
+            return function(q, k, v, attn_mask=mask)
+
+        records.append({"case": name, "backend": "pictor_bf16 function", "host_us": host_us_per_call(direct_backend),
+                        "top": profile(direct_backend)})  # fmt: skip
     f32 = torch.randn(1, 2, 64, 128, device="cuda")
     for kernel in ("fp16x3", "wgmma"):
         x = f32 if kernel == "fp16x3" else f32.to(torch.bfloat16)
