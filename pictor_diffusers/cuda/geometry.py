@@ -3,11 +3,12 @@
 `Window`: query rows [q_start, q_stop) over keys [k_start, k_stop) of `[B, H, N, D]` inputs.
 `Geometry`: planes (B*H), the window's row counts, the full tensors' pitches, head_dim, dtype, heads and the
 logit scale times log2 e, for the prepasses (`launch.split_planes`, `quantized.quantize`).
+`Launch`: one attention kernel's launch with its arguments built (`launch.attention_launch`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,3 +40,21 @@ class Geometry(NamedTuple):
     dtype: torch.dtype
     heads: int
     scale_log2: float
+
+
+class Launch(NamedTuple):
+    """One attention kernel's launch, arguments built: the device, grid, block size, dynamic shared memory, the
+    ctypes signature and the argument values (operands, then scalars; the operand at `OUT_OPERAND` is the
+    output's address), and what must stay referenced until the launch is issued (tensor maps, workspaces)."""
+
+    device_index: int
+    grid: tuple[int, int, int]
+    threads: int
+    shared_bytes: int
+    signature: tuple[Any, ...]
+    args: tuple[Any, ...]
+    keep: object
+
+
+OUT_OPERAND = 3
+"""Every operand kind lists q, k, v (pointers or maps), then the output's address."""

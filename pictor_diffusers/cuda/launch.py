@@ -18,7 +18,7 @@ import torch
 
 from ..dtypes import DTYPE_NAMES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import Geometry, Window
+from .geometry import Geometry, Launch, Window
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
@@ -67,11 +67,19 @@ def _sdpa_attention(
 
 def launch_attention(plan: AttentionPlan) -> None:
     """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one) into
-    `plan.written`, for the rows of its window (and `key_lens` keys of each batch, if given)."""
+    `plan.written`, for the rows of its window (and `key_lens` keys of each batch, if given): its prepared
+    `plan.launch` where it has one, else the launch `attention_launch` builds."""
+    launch = plan.launch if plan.launch is not None else attention_launch(plan)
+    runtime.launch(plan.function, launch.device_index, launch.grid, launch.threads, launch.shared_bytes,
+                   launch.signature, launch.args)  # fmt: skip
+
+
+def attention_launch(plan: AttentionPlan) -> Launch:
+    """The launch of the plan's kernel variant, its arguments built (running the prepass first, where its
+    operands need one)."""
     variant, window, scale = plan.selection.variant, plan.window, plan.scale
     query, key, value, out, lse, key_lens = plan.query, plan.key, plan.value, plan.written, plan.lse, plan.key_lens
     spec = variant.spec
-    signature = _signature(spec)
     batch, heads, seq_q, head_dim = query.shape
     q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
     size = query.element_size()
@@ -87,26 +95,27 @@ def launch_attention(plan: AttentionPlan) -> None:
         "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": key.shape[2],
         "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
     }  # fmt: skip
+    device_index = query.device.index
     if spec.operands == "tensor_maps":
         maps = [
             tensor_maps.map_at(tensor_maps.rows_of(query, window.q_start, window.q_stop), head_dim, query.dtype),
             tensor_maps.map_at(tensor_maps.rows_of(key, window.k_start, window.k_stop), head_dim, query.dtype),
             tensor_maps.map_at(tensor_maps.rows_of(value, window.k_start, window.k_stop), head_dim, query.dtype),
         ]
-        operands, _keep = _with_maps(maps, pointers[3:]), maps
+        operands, keep = _with_maps(maps, pointers[3:]), maps
     else:
         geometry = Geometry(
             batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype, heads, scalars["scale_log2"]
         )
-        operands, _keep = _operands(spec.operands, pointers, geometry, query.device.index, plan.prepass_function)
-    runtime.launch(
-        plan.function,
-        query.device.index,
+        operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function)
+    return Launch(
+        device_index,
         variant.grid(batch, heads, q_count),
         spec.threads,
         spec.shared_bytes(head_dim),
-        signature,
+        _signature(spec),
         operands + tuple(scalars[name] for name in spec.scalars),
+        keep,
     )
 
 

@@ -1,0 +1,164 @@
+"""The host fast path (`cuda.plan_memo`): a repeated call replays its plan, and a replay is as right as the
+first call.
+
+* a call that repeats a served one (same addresses, shapes, strides, dtypes) is replayed: one entry, the same
+  kernel launched (counted), new data at the same addresses read, a NaN-poisoned output block overwritten;
+* another stride, dtype, shape, scale or kernel is a new entry; what the memo may not serve (LSE, key counts,
+  copies of strided inputs) is never remembered;
+* a replay skips no check that could fail: a bad argument next to remembered tensors still raises;
+* the memo keeps no tensor alive; calls with LSE, key counts, unchecked argument types or autograd get no key.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections import OrderedDict
+
+import pytest
+import torch
+from launch_counts import count_launches
+
+from pictor_diffusers import attention
+from pictor_diffusers.cuda import plan_memo
+from pictor_diffusers.ops.attention import _memo_key
+from pictor_diffusers.testing.references import attention_float64
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SHAPES = [(1, 3, 77, 128), (2, 4, 300, 64), (1, 2, 129, 128)]
+"""Odd token counts: partial query blocks and key tiles."""
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(autouse=True)
+def empty_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_memo, "_memo", OrderedDict())
+
+
+def fresh(shape: tuple[int, ...], dtype: torch.dtype, seed: int, token_major: bool = False) -> list[torch.Tensor]:
+    """q, k, v N(0, 1) in `dtype`, head-major, or `[B, N, H, D]` storage seen as `[B, H, N, D]`."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    batch, heads, seq, head_dim = shape
+    stored = (batch, seq, heads, head_dim) if token_major else shape
+    tensors = [torch.randn(stored, generator=generator, device="cuda").to(dtype) for _ in range(3)]
+    return [t.transpose(1, 2) for t in tensors] if token_major else tensors
+
+
+def check(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "a poisoned output row was left unwritten"
+    expected = attention_float64(query.double(), key.double(), value.double())
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[query.dtype]
+
+
+def poisoned_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """attention() whose output block the caching allocator last held as NaNs (the block is reused)."""
+    batch, heads, seq, head_dim = query.shape
+    sentinel = torch.full((batch, seq, heads * head_dim), float("nan"), dtype=query.dtype, device="cuda")
+    del sentinel
+    return attention(query, key, value, **kwargs)
+
+
+@pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_replay_reads_new_data_and_writes_every_row(
+    shape: tuple[int, ...], dtype: torch.dtype, token_major: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    query, key, value = fresh(shape, dtype, seed=1, token_major=token_major)
+    first = poisoned_call(query, key, value)
+    check(first, query, key, value)
+    entries = plan_memo.remembered()
+    launches = count_launches(monkeypatch, "16bit" if dtype != torch.float32 else "fp32")
+    for seed in (2, 3):
+        for tensor, new in zip((query, key, value), fresh(shape, dtype, seed, token_major), strict=True):
+            tensor.copy_(new)
+        check(poisoned_call(query, key, value), query, key, value)
+    assert plan_memo.remembered() == entries, "a repeated call must not add entries"
+    if launches[0] and dtype != torch.float32:
+        assert entries == 1, "a 16-bit kernel call (no prepass) must be remembered"
+    assert launches[0] in (0, 2), f"{launches[0]} kernel launches for 2 calls"
+    assert launches[0] or entries == 0, "a remembered call must launch its kernel"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_different_fact_is_a_new_entry(dtype: torch.dtype) -> None:
+    query, key, value = fresh((1, 3, 77, 128), dtype, seed=4)
+    attention(query, key, value)
+    base = plan_memo.remembered()
+    if base == 0:
+        pytest.skip("this GPU's auto choice for these inputs is SDPA or a prepass kernel, which are not remembered")
+    attention(query, key, value, scale=0.05)
+    attention(query[:, :, :70], key, value)
+    attention(query, key[:, :, :50], value[:, :, :50])
+    assert plan_memo.remembered() == base + 3
+    out = attention(query, key, value, scale=0.05)
+    rescaled = query.double() * (0.05 * 128**0.5)  # attention_float64 scales logits by D ** -0.5
+    expected = attention_float64(rescaled, key.double(), value.double())
+    assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
+
+
+def test_calls_the_memo_may_not_serve_are_not_remembered() -> None:
+    query, key, value = fresh((2, 3, 77, 128), torch.bfloat16, seed=5)
+    attention(query, key, value, return_lse=True)
+    attention(query, key, value, key_lens=torch.tensor([77, 40], dtype=torch.int32, device="cuda"))
+    attention(*(t[..., ::2] for t in (query, key, value)))  # strided head_dim: copied before the launch
+    assert plan_memo.remembered() == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({"scale": True}, TypeError),
+        ({"scale": -1.0}, ValueError),
+        ({"kernel": "tf32x3"}, ValueError),
+        ({"out_dtype": torch.float32}, ValueError),
+    ],
+    ids=["bool-scale", "negative-scale", "kernel-of-another-family", "out-dtype"],
+)
+def test_checks_still_run_next_to_remembered_tensors(bad: dict, error: type) -> None:
+    query, key, value = fresh((1, 3, 77, 128), torch.bfloat16, seed=6)
+    attention(query, key, value)
+    attention(query, key, value)
+    with pytest.raises(error):
+        attention(query, key, value, **bad)
+    with pytest.raises((TypeError, ValueError)):
+        attention(query, key.float(), value)
+
+
+def test_memo_keeps_no_tensor_alive() -> None:
+    query, key, value = fresh((1, 3, 77, 128), torch.bfloat16, seed=7)
+    out = attention(query, key, value)
+    refs = [weakref.ref(t) for t in (query, key, value, out)]
+    del query, key, value, out
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"key_lens": "ones"},
+        {"return_lse": True},
+        {"return_lse": 1},
+        {"kernel": ["auto"]},
+        {"scale": 1},
+        {"scale": True},
+        {"out_dtype": "bfloat16"},
+        {"requires_grad": True},
+    ],
+    ids=["key-lens", "lse", "lse-int", "kernel-list", "int-scale", "bool-scale", "out-dtype-str", "autograd"],
+)
+def test_no_fast_path_offered(change: dict) -> None:
+    """No key for these CUDA calls (LSE, key counts, argument types the checks refuse, recorded autograd);
+    the unchanged call gets one."""
+    args = {"scale": None, "kernel": "auto", "out_dtype": None, "return_lse": False, "key_lens": None}
+    q, k, v = fresh((2, 3, 17, 64), torch.bfloat16, seed=8)
+    assert _memo_key(q, k, v, **args) is not None
+    change = dict(change)
+    if change.pop("requires_grad", False):
+        q.requires_grad_(True)
+    if "key_lens" in change:
+        change["key_lens"] = torch.ones(2, dtype=torch.int32, device="cuda")
+    assert _memo_key(q, k, v, **{**args, **change}) is None
