@@ -172,7 +172,7 @@ def _serve(
     out_dtype = dtype if compute == torch.float32 else compute
     result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens, kernel=kernel)
     out, lse = result if return_lse else (result, None)
-    out = out.to(dtype).view(batch, seq, heads, head_dim)
+    out = (out if out.dtype == dtype else out.to(dtype)).view(batch, seq, heads, head_dim)
     return (out, lse) if return_lse else out
 
 
