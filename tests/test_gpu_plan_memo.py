@@ -6,7 +6,8 @@ first call.
 * another stride, dtype, shape, scale or kernel is a new entry; what the memo may not serve (LSE, key counts,
   copies of strided inputs) is never remembered;
 * a replay skips no check that could fail: a bad argument next to remembered tensors still raises;
-* the memo keeps no tensor alive; calls with LSE, key counts, unchecked argument types or autograd get no key.
+* the memo keeps no tensor alive; calls with LSE, unchecked argument types or autograd get no key;
+* key counts are replayed with their current values.
 """
 
 from __future__ import annotations
@@ -102,9 +103,23 @@ def test_a_different_fact_is_a_new_entry(dtype: torch.dtype) -> None:
 def test_calls_the_memo_may_not_serve_are_not_remembered() -> None:
     query, key, value = fresh((2, 3, 77, 128), torch.bfloat16, seed=5)
     attention(query, key, value, return_lse=True)
-    attention(query, key, value, key_lens=torch.tensor([77, 40], dtype=torch.int32, device="cuda"))
     attention(*(t[..., ::2] for t in (query, key, value)))  # strided head_dim: copied before the launch
     assert plan_memo.remembered() == 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_key_counts_replayed_with_their_current_values(head_dim: int) -> None:
+    """The backend passes one cached key-count tensor for every call under a mask: a replay reads its values."""
+    query, key, value = fresh((2, 3, 77, head_dim), torch.bfloat16, seed=9)
+    key_lens = torch.tensor([77, 40], dtype=torch.int32, device="cuda")
+    for counts in ([77, 40], [13, 77], [1, 50]):
+        key_lens.copy_(torch.tensor(counts, dtype=torch.int32))
+        out = poisoned_call(query, key, value, key_lens=key_lens)
+        torch.cuda.synchronize()
+        for b, count in enumerate(counts):
+            part = (query[b : b + 1], key[b : b + 1, :, :count], value[b : b + 1, :, :count])
+            check(out[b : b + 1], *part)
+    assert plan_memo.remembered() <= 1
 
 
 @pytest.mark.parametrize(
@@ -139,7 +154,6 @@ def test_memo_keeps_no_tensor_alive() -> None:
 @pytest.mark.parametrize(
     "change",
     [
-        {"key_lens": "ones"},
         {"return_lse": True},
         {"return_lse": 1},
         {"kernel": ["auto"]},
@@ -148,10 +162,10 @@ def test_memo_keeps_no_tensor_alive() -> None:
         {"out_dtype": "bfloat16"},
         {"requires_grad": True},
     ],
-    ids=["key-lens", "lse", "lse-int", "kernel-list", "int-scale", "bool-scale", "out-dtype-str", "autograd"],
+    ids=["lse", "lse-int", "kernel-list", "int-scale", "bool-scale", "out-dtype-str", "autograd"],
 )
 def test_no_fast_path_offered(change: dict) -> None:
-    """No key for these CUDA calls (LSE, key counts, argument types the checks refuse, recorded autograd);
+    """No key for these CUDA calls (LSE, argument types the checks refuse, recorded autograd);
     the unchanged call gets one."""
     args = {"scale": None, "kernel": "auto", "out_dtype": None, "return_lse": False, "key_lens": None}
     q, k, v = fresh((2, 3, 17, 64), torch.bfloat16, seed=8)
@@ -159,6 +173,47 @@ def test_no_fast_path_offered(change: dict) -> None:
     change = dict(change)
     if change.pop("requires_grad", False):
         q.requires_grad_(True)
-    if "key_lens" in change:
-        change["key_lens"] = torch.ones(2, dtype=torch.int32, device="cuda")
     assert _memo_key(q, k, v, **{**args, **change}) is None
+
+
+def dispatch(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: object):
+    from diffusers.models.attention_dispatch import attention_backend, dispatch_attention_fn
+
+    with attention_backend(backend):
+        return dispatch_attention_fn(query, key, value, **kwargs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(77, 77), (300, 45)])
+def test_backend_call_replayed(seq_q: int, seq_k: int, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pictor_bf16 on the dispatcher's token-major bf16 q, k, v: a repeated call replays the kernel launch (one
+    per call), reading new data and writing every row; f32 inputs (cast copies) and masked calls are not
+    remembered under the backend's key."""
+    pytest.importorskip("diffusers")
+    generator = torch.Generator(device="cuda").manual_seed(10)
+
+    def token_major(seq: int) -> torch.Tensor:
+        return torch.randn(2, seq, 3, head_dim, generator=generator, device="cuda").to(torch.bfloat16)
+
+    query, key, value = token_major(seq_q), token_major(seq_k), token_major(seq_k)
+    dispatch("pictor_bf16", query, key, value)
+    entries = plan_memo.remembered()
+    if entries == 0:
+        pytest.skip("auto hands these calls to SDPA on this GPU: nothing to replay")
+    assert entries == 2, "attention()'s entry and the backend's alias of it"
+    launches = count_launches(monkeypatch, "16bit")
+    for _ in range(2):
+        for tensor in (query, key, value):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, device="cuda"))
+        sentinel = torch.full((2, seq_q, 3 * head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        del sentinel
+        out = dispatch("pictor_bf16", query, key, value)
+        assert out.shape == query.shape
+        check(out.flatten(2), *(t.transpose(1, 2) for t in (query, key, value)))
+    assert launches[0] == 2 and plan_memo.remembered() == entries
+    dispatch("pictor_bf16", query.float(), key.float(), value.float())
+    mask = torch.ones(2, 1, 1, seq_k, dtype=torch.bool, device="cuda")
+    mask[1, :, :, seq_k // 2 :] = False
+    dispatch("pictor_bf16", query, key, value, attn_mask=mask)
+    backend_keys = [call for call in plan_memo._memo if call[0] == "pictor_bf16"]
+    assert len(backend_keys) == 1, "a cast or masked call must not be remembered under the backend's key"

@@ -39,11 +39,18 @@ def expected(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check(mask: torch.Tensor, keep: torch.Tensor) -> None:
-    padding = padding_of(mask, BATCH, HEADS, keep.shape[1])
+    """`padding_of(mask)` against `keep`: the counts, and the first key_lens[b] keys each batch attends after the
+    gather (or, without one, in place)."""
+    seq_k = keep.shape[1]
+    padding = padding_of(mask, BATCH, HEADS, seq_k)
     lens, indices = expected(keep)
     assert torch.equal(padding.key_lens, lens)
     for b in range(BATCH):
-        assert torch.equal(padding.order[b, 0, : lens[b], 0], indices[b])
+        if padding.rows is None:
+            attended = torch.arange(lens[b])
+        else:
+            attended = padding.rows[b * seq_k : b * seq_k + lens[b]] - b * seq_k
+        assert torch.equal(attended, indices[b])
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -96,3 +103,29 @@ def test_entries_die_with_their_mask(kind: str) -> None:
     gc.collect()
     assert alive() is None, "the cache keeps the mask alive"
     assert len(key_padding._derived) == before - 1
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_padding_at_the_end_needs_no_gather(kind: str) -> None:
+    keep = torch.ones(BATCH, 90, dtype=torch.bool)
+    keep[1, 61:] = False
+    check(as_mask(keep, kind), keep)
+    assert padding_of(as_mask(keep, kind), BATCH, HEADS, 90).rows is None
+    assert padding_of(as_mask(kept(90), kind), BATCH, HEADS, 90).rows is not None
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_nothing_read_or_cached_while_tracing(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile (here: its flag) a bool mask is gathered without a host read, a float one not served."""
+    keep = torch.ones(BATCH, 40, dtype=torch.bool)
+    keep[0, 30:] = False
+    mask = as_mask(keep, kind)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(key_padding, "_kept_first", lambda kept: pytest.fail("a host read while tracing"))
+    padding = padding_of(mask, BATCH, HEADS, 40)
+    assert mask not in key_padding._derived
+    if kind == "float":
+        assert padding is None
+    else:
+        check(mask, keep)
+        assert padding.rows is not None

@@ -19,6 +19,7 @@ def variants() -> dict[str, tuple]:
     """name -> (q, k, v, kwargs): each differs from the base call in one fact."""
     q, k, v = qkv()
     token_major = torch.randn(2, 17, 3, 64).to(torch.bfloat16).transpose(1, 2)
+    lens = torch.tensor([17, 5], dtype=torch.int32)
     return {
         "base": (q, k, v, BASE),
         "other-address": (q.clone(), k, v, BASE),
@@ -29,6 +30,8 @@ def variants() -> dict[str, tuple]:
         "other-scale": (q, k, v, {**BASE, "scale": 0.1}),
         "other-kernel": (q, k, v, {**BASE, "kernel": "wgmma"}),
         "other-out-dtype": (q, k, v, {**BASE, "out_dtype": torch.bfloat16}),
+        "with-key-lens": (q, k, v, {**BASE, "key_lens": lens}),
+        "other-key-lens": (q, k, v, {**BASE, "key_lens": lens.clone()}),
     }
 
 

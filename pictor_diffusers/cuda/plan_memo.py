@@ -2,15 +2,18 @@
 
 A model calls attention with the same shapes, strides and dtypes at every layer and step, and PyTorch's caching
 allocator hands the same addresses back step after step. `call_key` names a call by every fact its launch depends
-on (addresses, shapes, strides, dtypes and devices of q, k, v; the scale, kernel and out dtype as passed);
+on (addresses, shapes, strides, dtypes and devices of q, k, v and the key counts; the scale, kernel and out
+dtype as passed);
 `remember` keeps the plan of a call once its launch is built, and `replay` returns it for a call with the same
 key, with a fresh output and the launch arguments already built. A replayed call skips validation (its facts
 passed it before), the kernel's resolution and the tensor-map encodes: it costs the key, one allocation and the
 launch.
 
-Remembered: calls whose kernel reads q, k, v as given (no copy, no upcast, no prepass) into a new output of the
-requested dtype, over all rows, without log-sum-exp or key counts. No tensor is held, so a remembered call keeps
-nothing alive; tensor maps stay referenced by their entry. At most `MEMO_SIZE` entries, the oldest evicted first.
+Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast, no
+prepass) into a new output of the requested dtype, over all rows, without log-sum-exp. Key counts are named by
+their tensor's facts too (the backend passes the same cached counts for every call under one mask). No tensor
+is held, so a remembered call keeps nothing alive; tensor maps stay referenced by their entry. At most
+`MEMO_SIZE` entries, the oldest evicted first.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ _PREPARED_OPERANDS = ("pointers", "tensor_maps")
 
 
 class _Entry(NamedTuple):
-    """A remembered plan without its tensors, the output's shape and dtype, and the built launch."""
+    """A remembered plan without its tensors, the output's shape, dtype and device, and the built launch."""
 
     plan: AttentionPlan
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
+    device: torch.device
     launch: Launch
 
 
@@ -45,29 +49,42 @@ _lock = threading.Lock()
 
 def call_key(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, kernel: str,
-    out_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None, key_lens: torch.Tensor | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """Every fact an attention call's launch depends on (tensors' addresses, extents, strides, dtypes, devices)."""
-    return (
+    call = (
         query.data_ptr(), key.data_ptr(), value.data_ptr(), query.shape, key.shape, value.shape,
         query.stride(), key.stride(), value.stride(), query.dtype, key.dtype, value.dtype,
         query.get_device(), key.get_device(), value.get_device(), scale, kernel, out_dtype,
     )  # fmt: skip
+    if key_lens is None:
+        return call
+    lens = (key_lens.data_ptr(), key_lens.shape, key_lens.stride(), key_lens.dtype, key_lens.get_device())
+    return (*call, *lens)
 
 
-def replay(call: tuple[Any, ...], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> AttentionPlan | None:
-    """The remembered plan of `call` for these tensors, with a new output, or None."""
+def replay(
+    call: tuple[Any, ...], query: torch.Tensor | None = None, key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> AttentionPlan | None:  # fmt: skip
+    """The remembered plan of `call` with a new output, or None; it carries these tensors (None: a caller that
+    only runs the plan, whose launch needs none of them)."""
     entry = _memo.get(call)
     if entry is None:
         return None
-    written = torch.empty(entry.out_shape, dtype=entry.out_dtype, device=query.device)
+    written = torch.empty(entry.out_shape, dtype=entry.out_dtype, device=entry.device)
     args = entry.launch.args
     launch = entry.launch._replace(args=(*args[:OUT_OPERAND], written.data_ptr(), *args[OUT_OPERAND + 1 :]))
     return entry.plan._replace(query=query, key=key, value=value, written=written, launch=launch)
 
 
 def remember(
-    call: tuple[Any, ...], plan: AttentionPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    call: tuple[Any, ...],
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_lens: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """`plan` with its launch built (`launch.attention_launch`), remembered under `call` when the plan
     qualifies (see the module's docstring); otherwise `plan` unchanged."""
@@ -80,7 +97,7 @@ def remember(
         and plan.value is value
         and plan.out is None
         and plan.lse is None
-        and plan.key_lens is None
+        and plan.key_lens is key_lens
         and plan.written.dtype == plan.out_dtype
         and plan.window == full_window(query, key)
     )
@@ -88,12 +105,24 @@ def remember(
         return plan
     plan = plan._replace(launch=attention_launch(plan))
     template = plan._replace(query=None, key=None, value=None, written=None, launch=None)
-    entry = _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.launch)
+    _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device, plan.launch))
+    return plan
+
+
+def alias(call: tuple[Any, ...], remembered_call: tuple[Any, ...]) -> bool:
+    """Remember under `call` too the entry of `remembered_call` (a caller's own key for a call whose tensors,
+    as `call` names them, are the remembered call's, viewed); whether there was one."""
+    entry = _memo.get(remembered_call)
+    if entry is not None:
+        _store(call, entry)
+    return entry is not None
+
+
+def _store(call: tuple[Any, ...], entry: _Entry) -> None:
     with _lock:
         _memo[call] = entry
         while len(_memo) > MEMO_SIZE:
             _memo.popitem(last=False)
-    return plan
 
 
 def remembered() -> int:

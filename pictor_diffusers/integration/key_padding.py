@@ -2,11 +2,11 @@
 
 A model passes one mask object to every attention call of a forward (LTX-Video's additive text mask, Qwen-Image's
 and HunyuanVideo's boolean ones), so what the backend derives from it is kept per mask object: whether it is key
-padding, each batch's kept keys first (the gather order) and the kept counts (the kernels' `key_lens`). The
-float rule reads the mask's values once (one host sync, on the first call only); a later call with the same,
-unmodified mask costs a dictionary lookup. A mask written in place (its `_version` moves) is read again. Under
-torch.compile or CUDA graph capture nothing is cached, and no float mask is key padding (its values cannot be
-read there).
+padding, the kept counts (the kernels' `key_lens`) and, unless each batch's kept keys already come first, the
+gather that puts them first. Reading the values takes a host sync or two, on the first call only; a later call
+with the same, unmodified mask costs a dictionary lookup. A mask written in place (its `_version` moves) is read
+again. Under torch.compile or CUDA graph capture nothing is cached or read: no float mask is key padding there,
+and a boolean one is always gathered.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ exactly 0 in float32 unless the key's logit exceeds the row's largest kept one b
 
 
 class KeyPadding(NamedTuple):
-    """A key-padding mask as the kernels take it: `order` `[B, 1, Nk, 1]` int64 (each batch's kept keys first, in
-    order; a `take_along_dim` index over `[B, H, Nk, D]`) and `key_lens` `[B]` int32 (kept keys per batch). Both
-    are new tensors, never views of the mask (a cached view would keep its mask alive)."""
+    """A key-padding mask as the kernels take it: `key_lens` `[B]` int32 (kept keys per batch) and `rows`, the
+    flat int64 `[B * Nk]` token rows that put each batch's kept keys first, in order (an `index_select` over
+    k or v seen as `[B * Nk, H, D]`), or None where every batch's kept keys already come first (padding at the
+    end: no gather). Both are new tensors, never views of the mask (a cached view would keep its mask alive)."""
 
-    order: torch.Tensor
     key_lens: torch.Tensor
+    rows: torch.Tensor | None
 
 
 _derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -39,7 +40,7 @@ def padding_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> K
     tracing = torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
     if tracing:
         kept = bool_key_padding(attn_mask, batch, seq_k)
-        return None if kept is None else _padding(kept)
+        return None if kept is None else _padding(kept, gather=True)
     key = (attn_mask._version, batch, heads, seq_k)
     cached = _derived.get(attn_mask)
     if cached is not None and cached[0] == key:
@@ -47,14 +48,24 @@ def padding_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> K
     kept = bool_key_padding(attn_mask, batch, seq_k)
     if kept is None:
         kept = float_key_padding(attn_mask, batch, heads, seq_k)
-    padding = None if kept is None else _padding(kept)
+    padding = None if kept is None else _padding(kept, gather=not _kept_first(kept))
     _derived[attn_mask] = (key, padding)
     return padding
 
 
-def _padding(kept: torch.Tensor) -> KeyPadding:
-    order = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)[:, None, :, None]
-    return KeyPadding(order, kept.sum(1, dtype=torch.int32))
+def _kept_first(kept: torch.Tensor) -> bool:
+    """Whether each batch's kept keys of `kept` `[B, Nk]` come before its dropped ones (one host sync)."""
+    return bool((kept[:, 1:] <= kept[:, :-1]).all().item())
+
+
+def _padding(kept: torch.Tensor, gather: bool) -> KeyPadding:
+    key_lens = kept.sum(1, dtype=torch.int32)
+    if not gather:
+        return KeyPadding(key_lens, None)
+    batch, seq_k = kept.shape
+    order = torch.argsort((~kept).to(torch.uint8), dim=1, stable=True)
+    starts = torch.arange(0, batch * seq_k, seq_k, device=kept.device)[:, None]
+    return KeyPadding(key_lens, (order + starts).flatten())
 
 
 def bool_key_padding(attn_mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor | None:

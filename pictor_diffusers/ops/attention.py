@@ -165,7 +165,7 @@ def attention(
         lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device) if return_lse else None
         plan = plan_attention(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens)
         if call is not None:
-            plan = plan_memo.remember(call, plan, query, key, value)
+            plan = plan_memo.remember(call, plan, query, key, value, key_lens)
         out = run(plan)
         return (out, lse) if return_lse else out
     return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
@@ -176,16 +176,18 @@ def _memo_key(
     return_lse: object, key_lens: object,
 ) -> tuple | None:  # fmt: skip
     """The call's `plan_memo` key when the host fast path may serve it: CUDA tensors, eagerly, with no
-    autograd recording, no LSE or key counts, and arguments of the types the checks accept (so a key that
-    matches one of a validated call means these arguments pass the same checks); else None."""
-    if key_lens is not None or return_lse is not False or type(kernel) is not str:
+    autograd recording, no LSE, and arguments of the types the checks accept (so a key that matches one of a
+    validated call means these arguments pass the same checks); else None."""
+    if return_lse is not False or type(kernel) is not str:
+        return None
+    if not (key_lens is None or isinstance(key_lens, torch.Tensor)):
         return None
     if not (scale is None or type(scale) is float) or not (out_dtype is None or isinstance(out_dtype, torch.dtype)):
         return None
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not query.is_cuda or needs_op(*tensors):
         return None
-    return plan_memo.call_key(query, key, value, scale, kernel, out_dtype)
+    return plan_memo.call_key(query, key, value, scale, kernel, out_dtype, key_lens)
 
 
 def windowed_attention(
