@@ -68,8 +68,12 @@ def _sdpa_attention(
 def launch_attention(plan: AttentionPlan) -> None:
     """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one) into
     `plan.written`, for the rows of its window (and `key_lens` keys of each batch, if given): its prepared
-    `plan.launch` where it has one, else the launch `attention_launch` builds."""
-    launch = plan.launch if plan.launch is not None else attention_launch(plan)
+    `plan.launch` where it has one (`plan_memo`), with `plan.written`'s address, else the launch
+    `attention_launch` builds."""
+    if plan.launch is not None:
+        plan.launch.run(plan.written.data_ptr())
+        return
+    launch = attention_launch(plan)
     runtime.launch(plan.function, launch.device_index, launch.grid, launch.threads, launch.shared_bytes,
                    launch.signature, launch.args)  # fmt: skip
 

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES, DTYPES
-from . import nvrtc, tensor_maps
-from .geometry import Launch, Window, full_window
+from . import nvrtc, runtime, tensor_maps
+from .geometry import Window, full_window
 from .registry import (
     BY_NAME,
     KERNEL_CHOICES,
@@ -75,7 +75,7 @@ class AttentionPlan(NamedTuple):
     `value`: `[B, H, N, D]` as the kernel reads them. `written`: what the kernel writes, `[B, Nq, H*D]` in its
     output dtype. `out`: the caller's destination (None: a new tensor), `out_dtype` its dtype. `lse`:
     `[B, Nq, H]` float32 or None; `key_lens`: int32 `[B]` or None; `window`: the rows computed; `scale`: the
-    logit scale; `launch`: the kernel's launch with its arguments already built (`plan_memo`'s replays), or None.
+    logit scale; `launch`: the kernel's launch with its arguments already filled (`plan_memo`'s replays), or None.
     """
 
     selection: Selection
@@ -91,7 +91,7 @@ class AttentionPlan(NamedTuple):
     key_lens: torch.Tensor | None
     window: Window
     scale: float
-    launch: Launch | None = None
+    launch: runtime.PreparedLaunch | None = None
 
 
 class Prepared(NamedTuple):

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .geometry import OUT_OPERAND, Launch, full_window
+from . import runtime
+from .geometry import OUT_OPERAND, full_window
 from .launch import attention_launch
 from .plan import AttentionPlan
 
@@ -34,13 +35,12 @@ _PREPARED_OPERANDS = ("pointers", "tensor_maps")
 
 
 class _Entry(NamedTuple):
-    """A remembered plan without its tensors, the output's shape, dtype and device, and the built launch."""
+    """A remembered plan without its tensors (its `launch` prepared), and the output's shape, dtype and device."""
 
     plan: AttentionPlan
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     device: torch.device
-    launch: Launch
 
 
 _memo: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
@@ -73,9 +73,7 @@ def replay(
     if entry is None:
         return None
     written = torch.empty(entry.out_shape, dtype=entry.out_dtype, device=entry.device)
-    args = entry.launch.args
-    launch = entry.launch._replace(args=(*args[:OUT_OPERAND], written.data_ptr(), *args[OUT_OPERAND + 1 :]))
-    return entry.plan._replace(query=query, key=key, value=value, written=written, launch=launch)
+    return entry.plan._replace(query=query, key=key, value=value, written=written)
 
 
 def remember(
@@ -103,9 +101,9 @@ def remember(
     )
     if not qualifies:
         return plan
-    plan = plan._replace(launch=attention_launch(plan))
-    template = plan._replace(query=None, key=None, value=None, written=None, launch=None)
-    _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device, plan.launch))
+    plan = plan._replace(launch=runtime.PreparedLaunch(plan.function, attention_launch(plan), OUT_OPERAND))
+    template = plan._replace(query=None, key=None, value=None, written=None)
+    _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
     return plan
 
 

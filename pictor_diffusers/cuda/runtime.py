@@ -5,6 +5,7 @@
   torch's current stream of the device: zero copy, no host sync, capturable in
   CUDA graphs. No stream object is cached or kept alive.
 * The one cache here, argument slots, is bounded by the few kernel signatures, per thread.
+* `PreparedLaunch`: a launch filled once, replayed with a new output address (`plan_memo`'s replays).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from .geometry import Launch
 
 CUPY_INSTALL_HINT = (
     "PictorAttn needs CuPy to run its kernels on CUDA tensors. Install the extra that matches your torch "
@@ -127,6 +130,29 @@ def _slots(signature: tuple[Any, ...]) -> _ArgSlots:
     return slots
 
 
+class PreparedLaunch:
+    """A built launch (`geometry.Launch`) of `function_handle` with its arguments filled once (checked as
+    `launch` checks them); `run(out_pointer)` changes only the output's address, at argument `out_index`, and
+    launches on torch's current stream. It owns its argument slots, under a lock, so threads replaying one
+    launch never mix their outputs; `built.keep` stays referenced (the tensor maps the arguments point to)."""
+
+    __slots__ = ("_address", "_lock", "_out", "_slots", "built", "function_handle")
+
+    def __init__(self, function_handle: int, built: Launch, out_index: int) -> None:
+        self.function_handle, self.built = function_handle, built
+        self._slots = _ArgSlots(built.signature)  # owns the argument array `_address` points to
+        self._address = self._slots.fill(built.args)
+        self._out = self._slots.values[out_index]
+        self._lock = threading.Lock()
+
+    def run(self, out_pointer: int) -> None:
+        built = self.built
+        with self._lock:
+            self._out.value = out_pointer
+            _launch_params(self.function_handle, built.device_index, built.grid, built.threads, built.shared_bytes,
+                           self._address)  # fmt: skip
+
+
 def launch(
     function_handle: int,
     device_index: int,
@@ -142,10 +168,19 @@ def launch(
         signature: ctypes type per kernel argument (None: passed by address, e.g. a tensor map).
         args: the values (device addresses as ints, scalars, tensor-map addresses).
     """
+    _launch_params(function_handle, device_index, grid, threads, shared_bytes, _slots(signature).fill(args))
+
+
+_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _launch_params(
+    function_handle: int, device_index: int, grid: tuple[int, int, int], threads: int, shared_bytes: int, params: int
+) -> None:
+    """`cuLaunchKernel` with the address of a filled `void*[]` argument array, on torch's current stream."""
     cupy = import_cupy()
-    params = _slots(signature).fill(args)
     stream = current_stream(device_index)
-    if torch.cuda.current_device() != device_index:
+    if _get_device() != device_index:
         with torch.cuda.device(device_index):
             _bind_context(device_index)
             cupy.cuda.driver.launchKernel(function_handle, *grid, threads, 1, 1, shared_bytes, stream, params, 0)
