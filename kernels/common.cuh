@@ -5,7 +5,12 @@
      common.cuh         any arch: reductions, fast math, 16-bit packing and stores, shared addresses
      attention_io.cuh   any arch: the attention kernels' operands and per-batch key counts
      softmax.cuh        any arch: the online softmax on mma.sync / wgmma accumulator tiles, the LSE
-     fp16_split.cuh     any arch: f32 -> scaled float16 hi + lo (split_fp16x2.cu, flash_attn_fp16x3.cu)
+     fp16_split.cuh     any arch: f32 -> scaled float16 hi + lo (split_fp16x2.cu, qkv_prologue_split.cu,
+                        flash_attn_fp16x3.cu)
+     split_phases.cuh   any arch: the split's two phases (column maxima, planes) over a block of rows
+                        (split_fp16x2.cu, qkv_prologue_split.cu)
+     prologue_math.cuh  any arch: the prologue's projection loads, QK RMSNorm and RoPE per lane
+                        (qkv_prologue.cu, qkv_prologue_split.cu)
      sm80_mma.cuh       sm_80+: cp.async, ldmatrix and mma.sync (flash_attn_mma16.cu, flash_attn_tf32x3.cu)
      sm90_pipeline.cuh  sm_90a: TMA copies, the mbarrier K/V ring, the producer and consumer warpgroups
      sm90_wgmma.cuh     sm_90a: wgmma descriptors, instructions and their ordering

@@ -27,11 +27,12 @@
                 1: bf16, 2: f16, written as raw bits); k/v rows from token
                 gap_at on move down by kv_gap, leaving rows [gap_at, gap_at +
                 kv_gap) unwritten (FLUX.2's reference-image KV cache fills them)
-   Precision: f32 throughout; RoPE's outputs are fma(y0, c0, -(y1 s0)) and fma(y1, c1, y0 s1), the
-   products in brackets rounded (spelled out, not left to contraction); a 16-bit output is rounded once,
-   to nearest even. */
+   Precision: f32 throughout, prologue_math.cuh's (shared with qkv_prologue_split.cu, every rounding
+   spelled out, subnormals kept: no -ftz); RoPE's outputs are fma(y0, c0, -(y1 s0)) and
+   fma(y1, c1, y0 s1), the products in brackets rounded; a 16-bit output is rounded once, to nearest
+   even. */
 
-#include "common.cuh"
+#include "prologue_math.cuh"
 
 #if !defined(PR_D) || !defined(PR_IN_KIND) || !defined(PR_OUT_KIND) || !defined(PR_THREADS)
 #error "qkv_prologue.cu needs -D PR_D, PR_IN_KIND, PR_OUT_KIND and PR_THREADS from the host"
@@ -44,89 +45,35 @@
 #endif
 
 #define PR_WARPS 8
-#define PR_LANES (PR_D / 4)
 static_assert(PR_THREADS == PR_WARPS * 32, "PR_THREADS must be 256: the kernel runs 8 warps");
 
 typedef pk_storage<PR_IN_KIND>::type pr_in_t;
 typedef pk_storage<PR_OUT_KIND>::type pr_out_t;
 
-#if PR_IN_KIND == 0
-__device__ __forceinline__ float4 pr_load4(const pr_in_t* p) { return *(const float4*)p; }
-#else
-__device__ __forceinline__ float pr_to_f32(unsigned int bits16)
-{
-#if PR_IN_KIND == 1
-    return __uint_as_float(bits16 << 16);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)bits16));
-    return f;
-#endif
-}
-__device__ __forceinline__ float4 pr_load4(const pr_in_t* p)
-{
-    const uint2 raw = *(const uint2*)p;
-    return make_float4(pr_to_f32(raw.x & 0xffffu), pr_to_f32(raw.x >> 16),
-                       pr_to_f32(raw.y & 0xffffu), pr_to_f32(raw.y >> 16));
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(PR_THREADS)
 qkv_prologue(
-    const pr_in_t* __restrict__ q_txt, const pr_in_t* __restrict__ k_txt, const pr_in_t* __restrict__ v_txt,
-    const pr_in_t* __restrict__ q_img, const pr_in_t* __restrict__ k_img, const pr_in_t* __restrict__ v_img,
-    const float* __restrict__ wq_txt, const float* __restrict__ wk_txt,
-    const float* __restrict__ wq_img, const float* __restrict__ wk_img,
-    const float* __restrict__ rope_cos, const float* __restrict__ rope_sin,
+    PK_PROLOGUE_INPUTS(pr_in_t),
     pr_out_t* __restrict__ q_out, pr_out_t* __restrict__ k_out, pr_out_t* __restrict__ v_out,
-    unsigned long long txt_row_stride, unsigned long long txt_batch_stride,
-    unsigned long long img_row_stride, unsigned long long img_batch_stride,
+    PK_PROLOGUE_STRIDES,
     unsigned int text_len, unsigned int seq, unsigned int num_heads,
     unsigned int gap_at, unsigned int kv_gap,
     float eps_q, float eps_k, int has_rope)
 {
+    const pk_prologue<PR_IN_KIND> in = PK_PROLOGUE_GATHER;
     const unsigned int n = blockIdx.x;
     const unsigned int b = blockIdx.y;
     const unsigned int lane = threadIdx.x & 31u;
-    const unsigned int d = 4u * lane;
-    const bool text = n < text_len;
-    const unsigned long long row = text
-        ? b * txt_batch_stride + n * txt_row_stride
-        : b * img_batch_stride + (n - text_len) * img_row_stride;
-
-    float4 c = make_float4(1.f, 1.f, 1.f, 1.f);
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (has_rope && lane < PR_LANES) {
-        c = *(const float4*)(rope_cos + (unsigned long long)n * PR_D + d);
-        s = *(const float4*)(rope_sin + (unsigned long long)n * PR_D + d);
-    }
+    const pk_rotation rot = pk_rotation_at<PR_D>(in, n, lane);
 
     for (unsigned int item = threadIdx.x >> 5; item < 3u * num_heads; item += PR_WARPS) {
         const unsigned int tensor = item / num_heads;   /* 0: q, 1: k, 2: v (warp-uniform) */
         const unsigned int h = item % num_heads;
-        const pr_in_t* src = tensor == 0 ? (text ? q_txt : q_img) : tensor == 1 ? (text ? k_txt : k_img)
-                                                                                 : (text ? v_txt : v_img);
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (lane < PR_LANES) x = pr_load4(src + row + (unsigned long long)h * PR_D + d);
-        if (tensor < 2) {
-            const float* w = tensor == 0 ? (text ? wq_txt : wq_img) : (text ? wk_txt : wk_img);
-            const float eps = tensor == 0 ? eps_q : eps_k;
-            const float ss = pk_warp_sum(x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w);
-            const float r = rsqrtf(ss / (float)PR_D + eps);
-            if (lane < PR_LANES) {
-                const float4 wv = *(const float4*)(w + d);
-                const float4 y = make_float4(x.x * r * wv.x, x.y * r * wv.y, x.z * r * wv.z, x.w * r * wv.w);
-                x = make_float4(__fmaf_rn(y.x, c.x, -__fmul_rn(y.y, s.x)),
-                                __fmaf_rn(y.y, c.y, __fmul_rn(y.x, s.y)),
-                                __fmaf_rn(y.z, c.z, -__fmul_rn(y.w, s.z)),
-                                __fmaf_rn(y.w, c.w, __fmul_rn(y.z, s.w)));
-            }
-        }
-        if (lane < PR_LANES) {
+        const float4 x = pk_prologue_value<PR_D>(in, n, b, tensor, h, rot, lane);
+        if (lane < PR_D / 4) {
             pr_out_t* dst = tensor == 0 ? q_out : tensor == 1 ? k_out : v_out;
             const unsigned int gap = tensor == 0 ? 0u : kv_gap;
             const unsigned int out_row = n + (n >= gap_at ? gap : 0u);
-            pk_store4<PR_OUT_KIND>(dst + (((unsigned long long)b * num_heads + h) * (seq + gap) + out_row) * PR_D + d, x);
+            pk_store4<PR_OUT_KIND>(dst + (((unsigned long long)b * num_heads + h) * (seq + gap) + out_row) * PR_D + 4 * lane, x);
         }
     }
 }

@@ -30,9 +30,11 @@ from pictor_diffusers.cuda.registry import (
     BY_NAME,
     KERNELS,
     PROLOGUE,
+    PROLOGUE_SPLIT,
     QUANTIZE,
     SPLIT,
     Variant,
+    prologue_split_variant,
     prologue_variant,
     quantize_variant,
     split_variant,
@@ -46,8 +48,11 @@ PROLOGUES = tuple(
     for dtype in PTX_TYPE | {"float32": ""}
     for out in {"float32", dtype}
 )
+SPLIT_PROLOGUES = tuple(prologue_split_variant(128, dtype) for dtype in ("float32", *PTX_TYPE))
 PREPASSES = (split_variant(128), quantize_variant(128, "bfloat16"), quantize_variant(128, "float16"))
-ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES + PREPASSES
+ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES + SPLIT_PROLOGUES + PREPASSES
+PASSES = (PROLOGUE, PROLOGUE_SPLIT, SPLIT, QUANTIZE)
+"""The rows that are not attention kernels: the prologues and the prepasses."""
 MAY_SPILL = {"f32_d256_float32_to_float32", "f32_d384_float32_to_float32"}
 """Wide scalar-kernel builds (head_dim > 128: no FLUX.2 model) may spill; they warn instead."""
 
@@ -116,7 +121,7 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
 @needs_cupy
 def test_defines_reach_nvrtc() -> None:
     """Every variant of a source compiles to different code: its -D options are used."""
-    for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
+    for spec in (*KERNELS, *PASSES):
         builds = [(v, arch) for v, arch in BUILDS if v.spec is spec and arch == archs(v)[-1]]
         ptxs = {v.name: ptx_for(v, arch) for v, arch in builds}
         assert builds, f"no {spec.name} build"
@@ -139,7 +144,7 @@ def _compile_log(variant: Variant, options: tuple[str, ...]) -> str:
     return ""
 
 
-FIRST_OF_EACH = [variants(spec)[-1] for spec in KERNELS] + [PROLOGUES[-1], *PREPASSES]
+FIRST_OF_EACH = [variants(spec)[-1] for spec in KERNELS] + [PROLOGUES[-1], SPLIT_PROLOGUES[-1], *PREPASSES]
 
 
 @needs_cupy
@@ -227,7 +232,7 @@ def test_cached_cubin_is_keyed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.M
 def test_sources_hold_the_entries() -> None:
     from pictor_diffusers.cuda.sources import read_source
 
-    for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE):
+    for spec in (*KERNELS, *PASSES):
         source = read_source(spec.source)
         assert re.search(rf'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s+)?{spec.entry}\(', source)
 
@@ -243,7 +248,7 @@ def test_headers_are_the_ones_nvrtc_gets() -> None:
 
     on_disk = sorted(path.name for path in kernels_dir().glob("*.cuh"))
     assert sorted(HEADERS) == on_disk, "HEADERS and the .cuh files of kernels/ differ"
-    sources = [spec.source for spec in (*KERNELS, PROLOGUE, SPLIT, QUANTIZE)]
+    sources = [spec.source for spec in (*KERNELS, *PASSES)]
     reached: set[str] = set()
     for name in (*sources, *HEADERS):
         for header in _includes(read_source(name)):

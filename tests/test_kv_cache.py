@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_helpers import IMAGE_HW, REF_HW, TEXT_LEN, kv_steps
 
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing.models import (
     HAS_KV_PROCESSORS,
     TINY_CONFIG,
     build_transformer,
-    image_ids,
     set_kv_processors,
     transformer_inputs,
 )
@@ -28,30 +28,9 @@ pytestmark = pytest.mark.skipif(
     not HAS_KV_PROCESSORS, reason="this diffusers has no FLUX.2-klein KV processors (Flux2KVAttnProcessor)"
 )
 
-TEXT_LEN, IMAGE_HW, REF_HW = 7, (3, 5), (2, 3)
 REL_TOL = 1e-5
 FP8_REL = 3e-3
 """fp8 vs stock on the tiny model (measured 5e-4; bf16 5e-5): the output after P and V's 3-bit mantissas."""
-
-
-def kv_steps(model: torch.nn.Module, batch: int, cache: object = None) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """(extract output, cached output, cache) of one extract and one cached step; `cache`, if
-    given, replaces the extract step's cache for the cached step."""
-    inputs = transformer_inputs(model, batch, IMAGE_HW, TEXT_LEN, seed=3)
-    generator = torch.Generator().manual_seed(4)
-    ref_len = REF_HW[0] * REF_HW[1]
-    reference = torch.randn(batch, ref_len, model.config.in_channels, generator=generator)
-    ref_ids = image_ids(*REF_HW)
-    ref_ids[..., 0] = 10  # the reference image's time coordinate, as the KV pipeline sets it
-    extract = {
-        **inputs,
-        "hidden_states": torch.cat([reference, inputs["hidden_states"]], dim=1),
-        "img_ids": torch.cat([ref_ids, inputs["img_ids"]], dim=0),
-    }
-    with torch.no_grad():
-        extracted, made = model(**extract, kv_cache_mode="extract", num_ref_tokens=ref_len, ref_fixed_timestep=0.0)
-        cached = model(**inputs, kv_cache=cache or made, kv_cache_mode="cached")[0]
-    return extracted, cached, made
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -4,6 +4,8 @@
 `Geometry`: planes (B*H), the window's row counts, the full tensors' pitches, head_dim, dtype, heads and the
 logit scale times log2 e, for the prepasses (`launch.split_planes`, `quantized.quantize`).
 `Launch`: one attention kernel's launch with its arguments built (`launch.attention_launch`).
+`SplitPlanes`: q, k, v already split into the fp16x3 kernel's operands (by the split prologue), and
+`split_halves`, the size of such planes.
 """
 
 from __future__ import annotations
@@ -58,3 +60,30 @@ class Launch(NamedTuple):
 
 OUT_OPERAND = 3
 """Every operand kind lists q, k, v (pointers or maps), then the output's address."""
+
+
+def split_halves(planes: int, q_rows: int, k_rows: int, head_dim: int) -> int:
+    """float16 elements of the split planes of `planes` (B*H) groups: hi and lo of q's `q_rows` and of k's
+    and v's `k_rows` rows each."""
+    return 2 * planes * (q_rows + 2 * k_rows) * head_dim
+
+
+class SplitPlanes(NamedTuple):
+    """q, k, v of `seq` rows each as the split-planes kernel (fp16x3) reads them.
+
+    `planes`: float16, flat: q's `[2 (hi, lo), B*H, seq, D]`, then k's and v's alike (`split_halves`
+    elements), each value x as x 2^e = hi + lo. `colmax`: int32 `[3, B*H, D]`, the largest |x| of each
+    column of q, k and v per (batch, head) as f32 bit patterns, which give the power-of-two scales 2^e (q,
+    k: one per (batch, head); v: one per column). `heads`: H.
+    """
+
+    planes: torch.Tensor
+    colmax: torch.Tensor
+    heads: int
+    seq: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """q's, k's and v's `[B, H, seq, D]`."""
+        _, groups, head_dim = self.colmax.shape
+        return groups // self.heads, self.heads, self.seq, head_dim

@@ -1,10 +1,12 @@
-"""The one launch path: execute an attention plan, or launch the prologue.
+"""The one launch path: execute an attention plan, or launch a prologue.
 
-`run` executes the `plan.AttentionPlan` that `plan.plan_attention` resolved (every attention kernel of
-the registry, or SDPA's call where "auto" hands one to it) and `qkv_prologue_cuda` the prologue; both
-build the kernel's argument list from its registry row and hand it to `runtime.launch`. A plan comes with
-its kernel and prepass loaded, so running it looks nothing up. Inputs were validated at the public boundary
-(`ops.attention`); nothing here re-checks them.
+`run` executes the `plan.AttentionPlan` that `plan.plan_attention` (or, on split planes,
+`plan.plan_split_attention`) resolved (every attention kernel of the registry, or SDPA's call where "auto"
+hands one to it); `qkv_prologue_cuda` launches the prologue, `qkv_prologue_split_cuda` the split prologue
+(projections to the fp16x3 kernel's planes) and `split_qkv_cuda` the split on whole f32 q, k, v. Each builds
+the kernel's argument list from its registry row and hands it to `runtime.launch`. A plan comes with its
+kernel and prepass loaded, so running it looks nothing up. Inputs were validated at the public boundary
+(`ops.attention`, `ops.split_route`); nothing here re-checks them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch
 
 from ..dtypes import DTYPE_NAMES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import Geometry, Launch, Window
+from .geometry import Geometry, Launch, SplitPlanes, Window, split_halves
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
-from .registry import SPLIT, KernelSpec, prologue_variant
+from .registry import SPLIT, KernelSpec, prologue_split_variant, prologue_variant, split_variant
 
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
@@ -66,10 +68,10 @@ def _sdpa_attention(
 
 
 def launch_attention(plan: AttentionPlan) -> None:
-    """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one) into
-    `plan.written`, for the rows of its window (and `key_lens` keys of each batch, if given): its prepared
-    `plan.launch` where it has one (`plan_memo`), with `plan.written`'s address, else the launch
-    `attention_launch` builds."""
+    """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one and the
+    plan's q, k, v are not split already) into `plan.written`, for the rows of its window (and `key_lens` keys
+    of each batch, if given): its prepared `plan.launch` where it has one (`plan_memo`), with `plan.written`'s
+    address, else the launch `attention_launch` builds."""
     if plan.launch is not None:
         plan.launch.run(plan.written.data_ptr())
         return
@@ -80,38 +82,36 @@ def launch_attention(plan: AttentionPlan) -> None:
 
 def attention_launch(plan: AttentionPlan) -> Launch:
     """The launch of the plan's kernel variant, its arguments built (running the prepass first, where its
-    operands need one)."""
+    operands need one and the plan's q, k, v are not split already)."""
     variant, window, scale = plan.selection.variant, plan.window, plan.scale
-    query, key, value, out, lse, key_lens = plan.query, plan.key, plan.value, plan.written, plan.lse, plan.key_lens
+    out, lse, key_lens = plan.written, plan.lse, plan.key_lens
     spec = variant.spec
-    batch, heads, seq_q, head_dim = query.shape
+    (batch, heads, seq_q, head_dim), kv_pitch, dtype, inputs = _inputs(plan)
     q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
-    size = query.element_size()
     pointers = (
-        query.data_ptr() + window.q_start * query.stride(2) * size,
-        key.data_ptr() + window.k_start * key.stride(2) * size,
-        value.data_ptr() + window.k_start * value.stride(2) * size,
+        *inputs,
         out.data_ptr() + window.q_start * heads * head_dim * out.element_size(),
         0 if lse is None else lse.data_ptr() + window.q_start * heads * 4,
         0 if key_lens is None else key_lens.data_ptr(),
     )
     scalars = {
-        "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": key.shape[2],
+        "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": kv_pitch,
         "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
     }  # fmt: skip
-    device_index = query.device.index
+    device_index = out.device.index
     if spec.operands == "tensor_maps":
         maps = [
-            tensor_maps.map_at(tensor_maps.rows_of(query, window.q_start, window.q_stop), head_dim, query.dtype),
-            tensor_maps.map_at(tensor_maps.rows_of(key, window.k_start, window.k_stop), head_dim, query.dtype),
-            tensor_maps.map_at(tensor_maps.rows_of(value, window.k_start, window.k_stop), head_dim, query.dtype),
-        ]
+            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, dtype)
+            for t, start, stop in ((plan.query, window.q_start, window.q_stop),
+                                   (plan.key, window.k_start, window.k_stop),
+                                   (plan.value, window.k_start, window.k_stop))
+        ]  # fmt: skip
         operands, keep = _with_maps(maps, pointers[3:]), maps
     else:
         geometry = Geometry(
-            batch * heads, q_count, k_count, seq_q, key.shape[2], head_dim, query.dtype, heads, scalars["scale_log2"]
+            batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
         )
-        operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function)
+        operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function, plan.split)
     return Launch(
         device_index,
         variant.grid(batch, heads, q_count),
@@ -121,6 +121,21 @@ def attention_launch(plan: AttentionPlan) -> Launch:
         operands + tuple(scalars[name] for name in spec.scalars),
         keep,
     )
+
+
+def _inputs(plan: AttentionPlan) -> tuple[tuple[int, ...], int, torch.dtype, tuple[int, int, int]]:
+    """q's `[B, H, Nq, D]`, k's and v's rows, their dtype, and the addresses of the window's first rows of
+    q, k and v (0s for split planes, whose operands come whole from `plan.split`)."""
+    if plan.split is not None:
+        return plan.split.shape, plan.split.seq, torch.float32, (0, 0, 0)
+    query, key, value, window = plan.query, plan.key, plan.value, plan.window
+    size = query.element_size()
+    pointers = (
+        query.data_ptr() + window.q_start * query.stride(2) * size,
+        key.data_ptr() + window.k_start * key.stride(2) * size,
+        value.data_ptr() + window.k_start * value.stride(2) * size,
+    )
+    return query.shape, key.shape[2], query.dtype, pointers
 
 
 _SIGNATURES: dict[str, tuple[Any, ...]] = {}
@@ -136,17 +151,19 @@ def _signature(spec: KernelSpec) -> tuple[Any, ...]:
 
 
 def _operands(
-    kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int, prepass: int
-) -> tuple[tuple[Any, ...], object]:
+    kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int, prepass: int,
+    split: SplitPlanes | None = None,
+) -> tuple[tuple[Any, ...], object]:  # fmt: skip
     """(operand values, what must stay referenced until the launch) of a contiguous-input row's
     operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs
-    the split prepass first, "quantized" the 8-bit one (`prepass`: its loaded `CUfunction` handle)."""
+    the split prepass first unless `split` holds the planes already, "quantized" the 8-bit one
+    (`prepass`: its loaded `CUfunction` handle)."""
     if kind == "pointers":
         return pointers, None
     if kind == "quantized":
         return quantized_operands(pointers, geometry, device_index, prepass)
     g = geometry
-    planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass)
+    planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass) if split is None else split[:2]
     base, half = planes.data_ptr(), 2
     q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
     k_bytes = 2 * g.planes * g.k_count * g.head_dim * half
@@ -187,26 +204,61 @@ def _device(device_index: int) -> torch.device:
 _SPLIT_BOX_ROWS = 64
 
 
+def _split_buffers(
+    groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int, one_allocation: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split planes (float16, flat, `geometry.split_halves`) and zeroed column maxima (int32 `[3, groups, D]`)
+    on the device: views of one allocation where `one_allocation` (a custom op's outputs may not alias)."""
+    halves, device = split_halves(groups, q_rows, k_rows, head_dim), _device(device_index)
+    if one_allocation:
+        workspace = torch.empty(halves + 6 * groups * head_dim, dtype=torch.float16, device=device)
+        planes, colmax = workspace[:halves], workspace[halves:].view(torch.int32).view(3, groups, head_dim)
+    else:
+        planes = torch.empty(halves, dtype=torch.float16, device=device)
+        colmax = torch.empty((3, groups, head_dim), dtype=torch.int32, device=device)
+    runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
+    return planes, colmax
+
+
+def _two_phases(
+    function: int, device_index: int, grid: tuple[int, int, int], threads: int, signature: tuple[Any, ...],
+    args: tuple[Any, ...],
+) -> None:  # fmt: skip
+    """Launch a two-phase entry (the split's, the split prologue's): `args`, then phase 0 and phase 1."""
+    for phase in (0, 1):
+        runtime.launch(function, device_index, grid, threads, 0, signature, (*args, phase))
+
+
 def split_planes(
-    pointers: tuple[int, int, int], geometry: Geometry, device_index: int, function: int
+    pointers: tuple[int, int, int], geometry: Geometry, device_index: int, function: int, one_allocation: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window's f32 q, k, v (first-row addresses, `geometry`) as scaled float16 hi/lo planes,
     by the split kernel's two phases (`function`: its loaded `CUfunction` handle, `registry.split_variant`'s).
 
     Returns the planes (float16, flat: q's `[2 (hi, lo), planes, q_count, D]`, then k's and v's,
     each `[2, planes, k_count, D]`) and the column maxima `[3, planes, D]` (f32 bit patterns as
-    int32) that give each group's scale, both views of one allocation.
+    int32) that give each group's scale, views of one allocation unless not `one_allocation`.
     """
     g = geometry
-    plane_halves = 2 * g.planes * (g.q_count + 2 * g.k_count) * g.head_dim
-    workspace = torch.empty(plane_halves + 6 * g.planes * g.head_dim, dtype=torch.float16, device=_device(device_index))
-    planes, colmax = workspace[:plane_halves], workspace[plane_halves:].view(torch.int32).view(3, g.planes, g.head_dim)
-    runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
+    planes, colmax = _split_buffers(g.planes, g.q_count, g.k_count, g.head_dim, device_index, one_allocation)
     grid = (g.planes, -(-max(g.q_count, g.k_count) // SPLIT.rows_per_block), 3)
     args = (*pointers, planes.data_ptr(), colmax.data_ptr(), g.q_count, g.k_count, g.q_pitch, g.kv_pitch)
-    for phase in (0, 1):
-        runtime.launch(function, device_index, grid, SPLIT.threads, 0, _SPLIT_SIGNATURE, (*args, phase))
+    _two_phases(function, device_index, grid, SPLIT.threads, _SPLIT_SIGNATURE, args)
     return planes, colmax
+
+
+def split_qkv_cuda(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, one_allocation: bool = True
+) -> SplitPlanes:
+    """Contiguous float32 q, k, v `[B, H, N, D]` on CUDA (D = 128) through the split kernel: the planes the
+    fp16x3 kernel reads (`split_planes` on all rows; `one_allocation` as there)."""
+    batch, heads, seq, head_dim = query.shape
+    device_index = query.device.index
+    geometry = Geometry(batch * heads, seq, seq, seq, seq, head_dim, torch.float32, heads, 0.0)
+    function = nvrtc.function(split_variant(head_dim), device_index)
+    pointers = (query.data_ptr(), key.data_ptr(), value.data_ptr())
+    planes, colmax = split_planes(pointers, geometry, device_index, function, one_allocation)
+    return SplitPlanes(planes, colmax, heads, seq)
 
 
 _PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 5 + (_F32, _F32, ctypes.c_int32)
@@ -244,3 +296,22 @@ def qkv_prologue_cuda(
         [*layout.pointers, *(t.data_ptr() for t in outs), *scalars],
     )
     return tuple(outs)
+
+
+_PROLOGUE_SPLIT_SIGNATURE = (_U64,) * 14 + (_U64,) * 4 + (_U32,) * 3 + (_F32, _F32, ctypes.c_int32, _U32)
+
+
+def qkv_prologue_split_cuda(layout: PrologueLayout, one_allocation: bool = False) -> SplitPlanes:
+    """Run `qkv_prologue_split` (its two phases) on projections `prologue_layout.prologue_layout` accepted,
+    head_dim 128: the f32 q, k, v `qkv_prologue_cuda` writes, as the planes and column maxima the split
+    kernel makes of them (`split_qkv_cuda`), bit for bit, with no f32 q, k, v in between. `one_allocation`
+    (eager calls): planes and maxima are views of one allocation."""
+    groups, seq = layout.batch * layout.heads, layout.seq
+    planes, colmax = _split_buffers(groups, seq, seq, layout.head_dim, layout.device_index, one_allocation)
+    variant = prologue_split_variant(layout.head_dim, DTYPE_NAMES[layout.dtype])
+    grid = (groups, -(-seq // variant.spec.rows_per_block), 3)
+    outs = (planes.data_ptr(), colmax.data_ptr())
+    args = (*layout.pointers, *outs, *layout.strides, layout.text_len, seq, layout.heads, *layout.eps, int(layout.rope))
+    function = nvrtc.function(variant, layout.device_index)
+    _two_phases(function, layout.device_index, grid, variant.spec.threads, _PROLOGUE_SPLIT_SIGNATURE, args)
+    return SplitPlanes(planes, colmax, layout.heads, seq)

@@ -7,6 +7,8 @@
   kernel (`resolve`: the selection for this device, memoised, with the chosen build and the prepass its
   operands need loaded; "auto" moves past a kernel that cannot be), the operands as that kernel reads
   them (in place through TMA, contiguous copies, or float32 upcasts), the row window and the output.
+* `plan_split_attention` plans the same for q, k, v the split prologue already turned into the fp16x3
+  kernel's planes (no prepass runs), where `selects_split_planes` says the kernel reads them.
 * `select_kernel` answers "which kernel runs this problem, and why not the others" (or that torch's SDPA
   runs a 16-bit call faster here) from plain facts (`Problem`: dtypes, head_dim, device capability and
   limits; no GPU, no tensors), so it is tested on CPU for every combination.
@@ -26,7 +28,7 @@ import torch
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES, DTYPES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import Window, full_window
+from .geometry import SplitPlanes, Window, full_window
 from .registry import (
     BY_NAME,
     KERNEL_CHOICES,
@@ -75,15 +77,16 @@ class AttentionPlan(NamedTuple):
     `value`: `[B, H, N, D]` as the kernel reads them. `written`: what the kernel writes, `[B, Nq, H*D]` in its
     output dtype. `out`: the caller's destination (None: a new tensor), `out_dtype` its dtype. `lse`:
     `[B, Nq, H]` float32 or None; `key_lens`: int32 `[B]` or None; `window`: the rows computed; `scale`: the
-    logit scale; `launch`: the kernel's launch with its arguments already filled (`plan_memo`'s replays), or None.
+    logit scale; `launch`: the kernel's launch with its arguments already filled (`plan_memo`'s replays), or None;
+    `split`: q, k, v already split (`plan_split_attention`; `query`, `key`, `value` are then None).
     """
 
     selection: Selection
     function: int
     prepass_function: int
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    query: torch.Tensor | None
+    key: torch.Tensor | None
+    value: torch.Tensor | None
     written: torch.Tensor | None
     out: torch.Tensor | None
     out_dtype: torch.dtype
@@ -92,6 +95,7 @@ class AttentionPlan(NamedTuple):
     window: Window
     scale: float
     launch: runtime.PreparedLaunch | None = None
+    split: SplitPlanes | None = None
 
 
 class Prepared(NamedTuple):
@@ -152,15 +156,51 @@ def plan_attention(
             )
         elif variant.spec.operands != "tensor_maps":
             query, key, value = (t.contiguous() for t in (query, key, value))
-        kernel_dtype = DTYPES[variant.out_dtype]
-        written = (
-            out
-            if kernel_dtype == out_dtype and out is not None
-            else torch.empty(shape, dtype=kernel_dtype, device=query.device)
-        )
+        written = _written(variant, shape, out, out_dtype, query.device)
     return AttentionPlan(
         selection, function, prepass_function, query, key, value, written, out, out_dtype, lse, key_lens, window, scale
     )
+
+
+def plan_split_attention(split: SplitPlanes, scale: float, kernel: str, out_dtype: torch.dtype) -> AttentionPlan:
+    """The plan for q, k, v the split prologue made (`split`, CUDA): every row over every key, by the kernel
+    `kernel` selects for float32 inputs of their head_dim there, which reads the planes as they are (its
+    split prepass does not run), into a new `[B, N, H*D]` `out_dtype` output. ValueError where that kernel
+    does not read split planes (the caller routes by `selects_split_planes`)."""
+    batch, heads, seq, head_dim = split.shape
+    device = split.planes.device
+    prepared = resolve(kernel, torch.float32, out_dtype, head_dim, device.index, aligned=True)
+    variant = prepared.selection.variant
+    if variant is None or variant.spec.operands != "split_planes":
+        chosen = "SDPA" if variant is None else variant.spec.name
+        raise ValueError(f"kernel={kernel!r} runs {chosen} here, which does not read split planes")
+    written = _written(variant, (batch, seq, heads * head_dim), None, out_dtype, device)
+    window = Window(0, seq, 0, seq)
+    return AttentionPlan(
+        prepared.selection, prepared.function, 0, None, None, None, written, None, out_dtype, None, None, window,
+        scale, split,
+    )  # fmt: skip
+
+
+def selects_split_planes(kernel: str, out_dtype: torch.dtype, head_dim: int, device_index: int) -> bool:
+    """Whether `kernel` runs float32 q, k, v of `head_dim` (aligned; no LSE, no key counts) on this CUDA device
+    with a kernel that reads split planes; False where it cannot run them at all (attention then says why)."""
+    try:
+        variant = resolve(kernel, torch.float32, out_dtype, head_dim, device_index, aligned=True).selection.variant
+    except NoKernelError:
+        return False
+    return variant is not None and variant.spec.operands == "split_planes"
+
+
+def _written(
+    variant: Variant, shape: tuple[int, int, int], out: torch.Tensor | None, out_dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """What `variant` writes, token-major `shape` in its output dtype: `out` where that is `out_dtype`."""
+    kernel_dtype = DTYPES[variant.out_dtype]
+    if kernel_dtype == out_dtype and out is not None:
+        return out
+    return torch.empty(shape, dtype=kernel_dtype, device=device)
 
 
 def _in_place_or_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..dtypes import HALF_DTYPES, KINDS
 
@@ -304,6 +304,10 @@ def variants(spec: KernelSpec) -> tuple[Variant, ...]:
     return tuple(Variant(spec, *build, key_lens) for key_lens in (False, True) for build in builds)
 
 
+_PASS = {"min_capability": (5, 0), "threads": 256, "shared_bytes": lambda d: 0, "smem_define": False, "flags": ()}
+"""What the prologues and prepasses share: any GPU, 8 warps, no dynamic shared memory, no -ftz (the prologues'
+f32 math must agree bit for bit, and the split keeps subnormals)."""
+
 PROLOGUE = KernelSpec(
     name="prologue",
     family="prologue",
@@ -312,17 +316,28 @@ PROLOGUE = KernelSpec(
     in_dtypes=tuple(KINDS),
     out_dtypes=tuple(KINDS),
     head_dims=tuple(range(4, 129, 4)),
-    min_capability=(5, 0),
-    threads=256,
     rows_per_block=1,
-    shared_bytes=lambda d: 0,
     prefix="PR_",
     geometry={"THREADS": "256"},
     kinds=("IN_KIND", "OUT_KIND"),
-    smem_define=False,
     scalars=(),
+    **_PASS,
 )
 """The fused QK-norm / RoPE / head-major prologue (grid: one block per token and batch)."""
+
+PROLOGUE_SPLIT = replace(
+    PROLOGUE,
+    name="prologue_split",
+    source="qkv_prologue_split.cu",
+    entry="qkv_prologue_split",
+    out_dtypes=("float16",),
+    head_dims=(128,),
+    rows_per_block=64,
+    prefix="PS_",
+    geometry={"ROWS": "64", "THREADS": "256"},
+    kinds=("IN_KIND",),
+)
+"""The parity path's prologue writing fp16x3's split planes and column maxima (two phases; `SPLIT`'s grid)."""
 
 
 SPLIT = KernelSpec(
@@ -333,15 +348,11 @@ SPLIT = KernelSpec(
     in_dtypes=("float32",),
     out_dtypes=("float16",),
     head_dims=(128,),
-    min_capability=(5, 0),
-    threads=256,
     rows_per_block=64,
-    shared_bytes=lambda d: 0,
     prefix="SP_",
     geometry={"ROWS": "64", "THREADS": "256"},
-    smem_define=False,
-    flags=(),
     scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch"),
+    **_PASS,
 )
 """The fp16x3 kernel's prepass: f32 q, k, v -> scaled float16 hi/lo planes (two phases, one entry)."""
 
@@ -354,16 +365,12 @@ QUANTIZE = KernelSpec(
     in_dtypes=HALF_DTYPES,
     out_dtypes=("int8",),
     head_dims=(128,),
-    min_capability=(8, 9),
-    threads=256,
     rows_per_block=128,
-    shared_bytes=lambda d: 0,
     prefix="QZ_",
     geometry={"THREADS": "256", "CHUNKS": "16"},
     kinds=("IN_KIND",),
-    smem_define=False,
-    flags=(),
     scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch", "heads", "scale_log2"),
+    **{**_PASS, "min_capability": (8, 9)},
 )
 """The 8-bit kernel's prepass: 16-bit q, k, v -> int8 q, smoothed int8 k, E4M3 V^T and their scales
 (two phases, one entry)."""
@@ -387,6 +394,14 @@ def prologue_variant(head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
     if head_dim not in PROLOGUE.head_dims:
         raise ValueError(f"the fused prologue needs head_dim a multiple of 4 in [4, 128], got {head_dim}")
     return Variant(PROLOGUE, head_dim, in_dtype, out_dtype)
+
+
+@functools.cache
+def prologue_split_variant(head_dim: int, in_dtype: str) -> Variant:
+    """The split prologue build for `head_dim` (128, the fp16x3 kernel's), reading `in_dtype` projections."""
+    if head_dim not in PROLOGUE_SPLIT.head_dims:
+        raise ValueError(f"the split prologue needs head_dim {PROLOGUE_SPLIT.head_dims}, got {head_dim}")
+    return Variant(PROLOGUE_SPLIT, head_dim, in_dtype, "float16")
 
 
 def prepass_for(variant: Variant) -> Variant | None:

@@ -15,6 +15,8 @@ HEADERS = (
     "attention_io.cuh",
     "softmax.cuh",
     "fp16_split.cuh",
+    "split_phases.cuh",
+    "prologue_math.cuh",
     "sm80_mma.cuh",
     "sm90_pipeline.cuh",
     "sm90_wgmma.cuh",

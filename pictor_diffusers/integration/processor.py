@@ -10,7 +10,9 @@ with the math of diffusers' stock processors: projections, QK norm (RMSNorm; for
 none or LayerNorm), [text, image] token order, RoPE, attention, cast back to the model dtype, output
 projections. On CUDA
 the part after the projections is two launches, the fused prologue and the attention kernel, which
-writes its output in the model dtype; on CPU the same algorithms run in torch. `precision` picks the
+writes its output in the model dtype (on the parity path's fp16x3 kernel, the prologue writes the
+kernel's split planes directly: `pictor_diffusers.ops.split_route`); on CPU the same algorithms run in
+torch. `precision` picks the
 contract ("fp32" parity, "bf16" / "fp16" speed, "fp8" 8-bit speed, "auto"): see
 `pictor_diffusers.integration.precision`.
 """
@@ -24,6 +26,7 @@ import torch
 
 from ..ops.attention import attention
 from ..ops.prologue import Rope, Segment, pack_head_major
+from ..ops.split_route import split_attention, takes_split_route
 from ..ops.validation import OUT_DTYPE_CHOICES
 from .adapters import KvArgs, adapter_for
 from .kv_cache import KvRequest, kv_attention, kv_gap
@@ -112,10 +115,15 @@ class PictorAttn:
         dtype = segments[-1].query.dtype
         compute = compute_dtype(self.precision, dtype)
         groups = context_parallel(self._parallel_config)
+        out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
+        # The KV cache (a gap in k and v, row windows) and context parallelism need q, k, v themselves: they
+        # keep the unfused route, as does every call the split-planes kernel would not run.
+        plain = kv is None and groups is None and compute == torch.float32
+        if plain and takes_split_route(segments, head_dim, self.kernel, out_dtype):
+            return split_attention(segments, head_dim, rope, self.kernel, out_dtype).to(dtype)
         if groups is not None:
             check_local_rope(rope, sum(segment.query.shape[1] for segment in segments))
         query, key, value = pack_head_major(segments, head_dim, rope, compute, kv_gap(kv))
-        out_dtype = dtype if compute == torch.float32 and dtype in OUT_DTYPE_CHOICES else compute
         if kv is not None:
             return kv_attention(kv, query, key, value, out_dtype, self.kernel).to(dtype)
         if groups is None:

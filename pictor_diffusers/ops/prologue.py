@@ -254,15 +254,30 @@ def pack_head_major(
     """
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"pack_head_major writes float32, bfloat16 or float16, got {dtype}")
-    image = segments[-1]
-    norms = [norm for segment in segments for norm in (segment.norm_q, segment.norm_k)]
-    rope_list = [_float_table(t, image.query.device) for t in rope] if rope else []
-    if not all(isinstance(norm, (torch.nn.RMSNorm, RmsParams)) for norm in norms):
+    rope_list = rope_tables(rope, segments[-1].query.device)
+    if not rms_norms(segments):
         return pack_head_major_any_norm(segments, head_dim, rope_list, dtype, kv_gap)
-    params = [norm_params(norm, head_dim, image.query) for norm in norms]
-    projections = [t for segment in segments for t in segment[:3]]
-    weights, eps = [w for w, _ in params], [e for _, e in params]
+    projections, weights, eps = rms_args(segments, head_dim)
     if needs_op(*projections):
         name = DTYPE_NAMES[dtype]
         return torch.ops.pictor.qkv_prologue(projections, weights, rope_list, eps, name, *kv_gap)
     return _prologue_impl(projections, weights, rope_list, eps, dtype, *kv_gap, eager=True)
+
+
+def rms_norms(segments: list[Segment]) -> bool:
+    """Whether every QK norm of `segments` is an RMSNorm (`torch.nn.RMSNorm`, `RmsParams`): the fused kernels' path."""
+    return all(isinstance(norm, (torch.nn.RMSNorm, RmsParams)) for s in segments for norm in (s.norm_q, s.norm_k))
+
+
+def rope_tables(rope: Rope | None, device: torch.device) -> list[torch.Tensor]:
+    """`rope` as the prologue ops take it: `[cos, sin]`, contiguous float32 `[N, D]` on `device`, or empty."""
+    return [_float_table(t, device) for t in rope] if rope else []
+
+
+def rms_args(segments: list[Segment], head_dim: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+    """The fused prologue ops' projections (3 or 6), norm weights (2 or 4, float32 `[D]`) and eps for segments
+    whose QK norms are all RMSNorms (`rms_norms`)."""
+    image = segments[-1].query
+    params = [norm_params(norm, head_dim, image) for s in segments for norm in (s.norm_q, s.norm_k)]
+    projections = [t for segment in segments for t in segment[:3]]
+    return projections, [w for w, _ in params], [e for _, e in params]

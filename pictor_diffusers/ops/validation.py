@@ -7,6 +7,7 @@ import numbers
 
 import torch
 
+from ..cuda.geometry import SplitPlanes, split_halves
 from ..cuda.registry import MAX_HEAD_DIM
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES
 
@@ -72,6 +73,27 @@ def check_key_lens(key_lens: torch.Tensor | None, query: torch.Tensor) -> None:
         )
     if key_lens.device != query.device:
         raise ValueError(f"key_lens is on {key_lens.device} but query is on {query.device}; all must share a device")
+
+
+def check_split_planes(split: SplitPlanes) -> None:
+    """Raise TypeError/ValueError unless `split` is what the split prologue makes (the attention kernel reads
+    it by these sizes, unchecked): contiguous 16-byte aligned float16 planes of `split_halves` elements and
+    contiguous int32 column maxima `[3, B*H, D]` on one device, B*H a multiple of `heads`."""
+    planes, colmax, heads, seq = split
+    if planes.dtype != torch.float16 or colmax.dtype != torch.int32:
+        raise TypeError(f"split planes must be float16 and their maxima int32, got {planes.dtype}, {colmax.dtype}")
+    if colmax.dim() != 3 or colmax.shape[0] != 3 or heads < 1 or colmax.shape[1] % heads:
+        raise ValueError(f"split maxima must be [3, B*H, D] with B*H a multiple of heads={heads}, got {colmax.shape}")
+    _, groups, head_dim = colmax.shape
+    _check_extents(groups // heads, heads, seq, head_dim)
+    size = split_halves(groups, seq, seq, head_dim)
+    if planes.shape != (size,) or not (planes.is_contiguous() and colmax.is_contiguous()) or planes.data_ptr() % 16:
+        raise ValueError(
+            f"split planes must be contiguous, 16-byte aligned and hold {size} values for B*H={groups}, N={seq}, "
+            f"D={head_dim}; got shape {tuple(planes.shape)} at {planes.data_ptr():#x}"
+        )
+    if planes.device != colmax.device:
+        raise ValueError(f"split planes are on {planes.device} but their maxima on {colmax.device}")
 
 
 def _plainly_valid(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
