@@ -118,10 +118,11 @@ def run_key_lens_cases(kernels: list[str], dtypes: list[torch.dtype]) -> bool:
 
 @torch.no_grad()
 def run_prologue_cases() -> bool:
-    """Tiny FLUX.2 forwards through PictorAttn: the fused prologue (f32 and 16-bit outputs; fp8 from bf16, fp16
-    and f32 models), QKV projections fused and not."""
+    """Tiny FLUX.2 forwards through PictorAttn: the fused prologue (f32 and 16-bit outputs; at head_dim 128 on
+    Hopper the parity path's split prologue; fp8 from bf16, fp16 and f32 models), QKV projections fused and not."""
     finite = True
     cases = [(TINY_CONFIG, torch.float32, "fp32"), (TINY_CONFIG, torch.bfloat16, "fp32")]
+    cases += [(TINY_D128, torch.float32, "fp32"), (TINY_D128, torch.bfloat16, "fp32")]
     cases += [(TINY_D128, torch.bfloat16, "bf16"), (TINY_D128, torch.float16, "fp16")]
     cases += [(TINY_D128, dtype, "fp8") for dtype in (torch.bfloat16, torch.float16, torch.float32)]
     for config, dtype, precision in cases:

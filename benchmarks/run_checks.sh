@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call of checks after a change to kernels or the host path: the GPU test suite, compute-sanitizer
+# memcheck and racecheck on every kernel (the tiny FLUX.2 forwards included), the host profile and overheads.
+# Usage (repo root, device machine): BUDGET=400 bash benchmarks/run_checks.sh [STEP...]; steps: suite, memcheck,
+# racecheck, host, overheads (default: all, in that order). Each step runs under the smaller of its limit and
+# the time left.
+set -u -o pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z_' | sed 's/nvidia_//; s/_.*//')
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+SECONDS=0
+step() {  # step SECONDS COMMAND...: run COMMAND under the smaller of SECONDS and the time left
+  local limit=$1 left=$(( ${BUDGET:-400} - SECONDS )); shift
+  [ "$left" -lt 20 ] && { echo "[$SECONDS s] skipped (no time): $*"; return; }
+  [ "$limit" -gt "$left" ] && limit=$left
+  timeout -s INT -k 10 "$limit" "$@"
+  echo "[$SECONDS s] rc=$? $*"
+}
+sanitize() {
+  step 100 compute-sanitizer --tool "$1" --error-exitcode 9 python3 benchmarks/sanitizer_cases.py > "$OUT/sanitize_$1.log" 2>&1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|finite=False|rc=" "$OUT/sanitize_$1.log" | tail -3
+}
+for name in "${@:-suite memcheck racecheck host overheads}"; do
+  for part in $name; do
+    case $part in
+      suite) step 230 python3 -m pytest -q -rs -m gpu --maxfail=10 -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+        grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/pytest_gpu.log" | tail -25 ;;
+      memcheck|racecheck) sanitize "$part" ;;
+      host) step 60 python3 benchmarks/profile_host.py --json "$OUT/${GPU}_host_profile.json" | grep "µs host" ;;
+      overheads) step 90 python3 benchmarks/bench_overheads.py --json "$OUT/${GPU}_overheads.json" | grep -E "dtype|_us" ;;
+      *) echo "unknown step $part"; exit 2 ;;
+    esac
+  done
+done
