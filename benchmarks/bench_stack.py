@@ -35,6 +35,8 @@ from pictor_diffusers.testing.models import build_transformer, transformer_input
 from pictor_diffusers.testing.timing import median_ms
 
 BACKENDS = ("stock", "pictor_bf16", "pictor_fp8")
+OTHER_BACKENDS = ("pictor_fp32",)
+"""Run only when named: the parity path (`PictorAttn()`), for its compiled-step records."""
 LINEARS = ("bf16", "fp8")
 
 
@@ -115,7 +117,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="klein-4B", choices=["klein-4B", "klein-9B"])
     parser.add_argument("--image", type=int, default=1024, help="image side in pixels (1024, 2048)")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {BACKENDS}")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {BACKENDS + OTHER_BACKENDS}")
     parser.add_argument("--linears", default=",".join(LINEARS), help=f"comma list of {LINEARS}")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--regional", action="store_true", help="compile the repeated blocks, not the whole model")
@@ -126,7 +128,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.backends, args.linears = args.backends.split(","), args.linears.split(",")
-    bad = [b for b in args.backends if b not in BACKENDS] + [x for x in args.linears if x not in LINEARS]
+    known = BACKENDS + OTHER_BACKENDS
+    bad = [b for b in args.backends if b not in known] + [x for x in args.linears if x not in LINEARS]
     if bad:
         raise SystemExit(f"unknown backends or linears: {bad}")
     args.blocks = tuple(int(n) for n in args.blocks.split(",")) if args.blocks else None

@@ -3,8 +3,8 @@
 # timeout cut to the time left. Usage (repo root, device machine): BUDGET=580 bash benchmarks/run_stack.sh STEP...
 # Steps: tests (the fp8-linear GPU tests), regional:<image> (all six configs, repeated blocks compiled),
 # whole:<image>[:<linears>] (the whole model compiled), probe (a 1+2-block fp8 model compiled whole, torchao's
-# inductor options off then on: compile seconds), suite (the GPU test suite), host (profile_host.py), layers,
-# auto_route.
+# inductor options off then on: compile seconds), parity:<image> (stock and PictorAttn(), regional), suite (the
+# GPU test suite), host (profile_host.py), layers, auto_route.
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,6 +28,8 @@ for spec in "$@"; do
     suite) step 400 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|^E  " | tail -20 ;;
     regional) stack 330 python3 bench_stack.py --image "$image" --regional --stacks 240 \
       --json "$OUT/${GPU}_stack_${image}_regional.json" ;;
+    parity) stack 150 python3 bench_stack.py --image "$image" --regional --backends stock,pictor_fp32 --linears bf16 \
+      --json "$OUT/${GPU}_stack_${image}_parity.json" ;;
     whole) stack 400 python3 bench_stack.py --image "$image" --linears "${linears:-bf16,fp8}" --stacks 240 \
       --json "$OUT/${GPU}_stack_${image}_whole_${linears:-all}.json" ;;
     probe)
