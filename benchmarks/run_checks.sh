@@ -3,7 +3,7 @@
 # memcheck and racecheck on every kernel (the tiny FLUX.2 forwards included), the host profile and overheads.
 # Usage (repo root, device machine): BUDGET=400 bash benchmarks/run_checks.sh [STEP...]; steps: suite, memcheck,
 # racecheck, host, overheads (default: all, in that order). Each step runs under the smaller of its limit and
-# the time left.
+# the time left. SANITIZE_ARGS: arguments of sanitizer_cases.py (e.g. --kernels fp16x3).
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,7 +20,8 @@ step() {  # step SECONDS COMMAND...: run COMMAND under the smaller of SECONDS an
   echo "[$SECONDS s] rc=$? $*"
 }
 sanitize() {
-  step 100 compute-sanitizer --tool "$1" --error-exitcode 9 python3 benchmarks/sanitizer_cases.py > "$OUT/sanitize_$1.log" 2>&1
+  step 100 compute-sanitizer --tool "$1" --error-exitcode 9 python3 benchmarks/sanitizer_cases.py ${SANITIZE_ARGS:-} \
+    > "$OUT/sanitize_$1.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|finite=False|rc=" "$OUT/sanitize_$1.log" | tail -3
 }
 for name in "${@:-suite memcheck racecheck host overheads}"; do
