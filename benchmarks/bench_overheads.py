@@ -8,7 +8,9 @@
   without synchronising, against the kernel's own CUDA-event time (graph replay);
 * per prologue call: host time of `pack_head_major` (the fused QK-norm / RoPE /
   head-major launch PictorAttn makes before each attention) on FLUX.2-like
-  projections, text and image segments, with RoPE.
+  projections, text and image segments, with RoPE;
+* per parity-path attention on Hopper: the prologue and the attention together, on the fused split route
+  and on the unfused one (prologue to f32, then `attention()` with its split prepass).
 
     python benchmarks/bench_overheads.py --json benchmarks/results/h200_overheads.json
 """
@@ -108,6 +110,30 @@ def per_call_prologue_overhead(precision_dtype: torch.dtype, norm_dtype: torch.d
         return host_us_per_call(lambda: pack_head_major(segments, head_dim, rope, precision_dtype))
 
 
+def per_call_parity_route_overhead(fused: bool) -> float:
+    """Host µs per parity-path attention of `PictorAttn` on the prologue case's projections (bf16, f32 norm
+    weights): the fused split route (`split_attention`), or the unfused one (`pack_head_major` to f32, then
+    `attention()`, which runs the split prepass)."""
+    from pictor_diffusers import attention
+    from pictor_diffusers.ops.prologue import Segment, pack_head_major
+    from pictor_diffusers.ops.split_route import split_attention
+
+    heads, head_dim = 2, 128
+    norms = [torch.nn.RMSNorm(head_dim, eps=1e-6).to("cuda") for _ in range(4)]
+    fused_qkv = [torch.randn(1, n, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16) for n in (8, 56)]
+    segments = [Segment(*x.chunk(3, dim=-1), *norms[2 * i : 2 * i + 2]) for i, x in enumerate(fused_qkv)]
+    rope = tuple(torch.randn(64, head_dim, device="cuda") for _ in range(2))
+
+    def unfused() -> torch.Tensor:
+        return attention(*pack_head_major(segments, head_dim, rope, torch.float32), out_dtype=torch.bfloat16)
+
+    def split() -> torch.Tensor:
+        return split_attention(segments, head_dim, rope, "auto", torch.bfloat16)
+
+    with torch.no_grad():
+        return host_us_per_call(split if fused else unfused)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -121,6 +147,9 @@ def main() -> None:
         prologue_us = per_call_prologue_overhead(dtype)
         if dtype == torch.float32:
             others = {f"host_us_per_call_{k}": per_call_overhead(dtype, k)[0] for k in ("tf32x3", "fp16x3")}
+            if torch.cuda.get_device_capability() == (9, 0):
+                others["parity_route_host_us_unfused"] = per_call_parity_route_overhead(fused=False)
+                others["parity_route_host_us_fused"] = per_call_parity_route_overhead(fused=True)
         else:
             others = {"prologue_host_us_per_call_bf16_norms": per_call_prologue_overhead(dtype, torch.bfloat16)}
         records.append(
