@@ -178,7 +178,7 @@ def plan_split_attention(split: SplitPlanes, scale: float, kernel: str, out_dtyp
     window = Window(0, seq, 0, seq)
     return AttentionPlan(
         prepared.selection, prepared.function, 0, None, None, None, written, None, out_dtype, None, None, window,
-        scale, split,
+        scale, split=split,
     )  # fmt: skip
 
 
