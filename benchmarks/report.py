@@ -78,7 +78,7 @@ def stack_table(records: list[dict]) -> str:
 
 def stack_as_model(records: list[dict]) -> list[dict]:
     """Stack records as `model_plot` groups them: one group per (model and linears, image)."""
-    return [{**r, "model": f"{r['model']}, {r['linears']} linears", "processor": r["backend"]} for r in records]
+    return [{**r, "model": f"{r['model']}\n{r['linears']} linears", "processor": r["backend"]} for r in records]
 
 
 def _pyplot() -> Any:

@@ -45,5 +45,5 @@ def test_the_stack_table_and_plot_groups(image: int) -> None:
     assert len(table) == 2 + len(records)
     assert f"| klein-4B | {image}² | fp8 | pictor_fp8 | 50.0 | 0.833 |" in table[-1]
     labels, ratios = report.model_ratios(report.stack_as_model(records))
-    assert labels == [f"klein-4B, bf16 linears\n{image}²", f"klein-4B, fp8 linears\n{image}²"]
+    assert labels == [f"klein-4B\nbf16 linears\n{image}²", f"klein-4B\nfp8 linears\n{image}²"]
     assert ratios == {"pictor_bf16": [0.95, 0.95], "pictor_fp8": [50 / 60, 50 / 60]}
