@@ -129,3 +129,16 @@ def test_nothing_read_or_cached_while_tracing(kind: str, monkeypatch: pytest.Mon
     else:
         check(mask, keep)
         assert padding.rows is not None
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_inference_mode_masks_are_read_every_call(kind: str) -> None:
+    """A mask made under torch.inference_mode has no version counter: served, never cached, still right."""
+    keep = kept(70)
+    with torch.inference_mode():
+        mask = as_mask(keep, kind)
+        check(mask, keep)
+        assert mask not in key_padding._derived
+        keep[0, 5:9] = False
+        mask.copy_(as_mask(keep, kind))
+        check(mask, keep)

@@ -6,7 +6,8 @@ padding, the kept counts (the kernels' `key_lens`) and, unless each batch's kept
 gather that puts them first. Reading the values takes a host sync or two, on the first call only; a later call
 with the same, unmodified mask costs a dictionary lookup. A mask written in place (its `_version` moves) is read
 again. Under torch.compile or CUDA graph capture nothing is cached or read: no float mask is key padding there,
-and a boolean one is always gathered.
+and a boolean one is always gathered. A mask made under `torch.inference_mode` (no version counter) is read on
+every call and always gathered, never cached.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def padding_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> K
     """`attn_mask` (broadcast to `[B, H, Nq, Nk]` as SDPA does) as key padding, or None when it is not one:
     boolean (`bool_key_padding`) or additive float (`float_key_padding`)."""
     tracing = torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
-    if tracing:
+    if tracing or attn_mask.is_inference():  # an inference tensor has no version counter: read, never cached
         kept = bool_key_padding(attn_mask, batch, seq_k)
+        if kept is None and not tracing:
+            kept = float_key_padding(attn_mask, batch, heads, seq_k)
         return None if kept is None else _padding(kept, gather=True)
     key = (attn_mask._version, batch, heads, seq_k)
     cached = _derived.get(attn_mask)

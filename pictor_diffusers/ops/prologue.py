@@ -69,11 +69,12 @@ _FLOAT_WEIGHTS = WeakIdKeyDictionary()
 
 def float_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` `[D]` as float32: itself if it is; a 16-bit weight's cast is kept while the weight lives
-    and is not changed in place (outside compiled graphs and autograd, which see a plain cast)."""
+    and is not changed in place (outside compiled graphs, autograd and inference tensors, which get a plain
+    cast)."""
     if weight.dtype == torch.float32:
         return weight
-    if torch.compiler.is_compiling() or (weight.requires_grad and torch.is_grad_enabled()):
-        return weight.float()
+    if torch.compiler.is_compiling() or (weight.requires_grad and torch.is_grad_enabled()) or weight.is_inference():
+        return weight.float()  # an inference tensor has no version counter to tell an in-place change by
     cached = _FLOAT_WEIGHTS.get(weight)
     if cached is not None and cached[0] == weight._version:
         return cached[1]
