@@ -65,12 +65,13 @@ def _module(tree: Path, stem: str):
     return importlib.import_module(dotted), hits[0]
 
 
-def _builds(registry) -> list[tuple[object, str]]:
-    """(variant, arch) for every build the registry makes, for a 9.0 device and, where it runs, for sm_80."""
+def _builds(registry, pass_rows) -> list[tuple[object, str]]:
+    """(variant, arch) for every build the registry makes (attention rows in `registry`, prologue and prepass
+    rows in `pass_rows`), for a 9.0 device and, where it runs, for sm_80."""
     dtypes = ("float32", "bfloat16", "float16")
     found = [v for spec in registry.KERNELS for v in registry.variants(spec)]
-    found += [registry.prologue_variant(d, i, o) for d in registry.PROLOGUE.head_dims for i in dtypes for o in dtypes]
-    found += [registry.split_variant(128), *(registry.quantize_variant(128, i) for i in ("bfloat16", "float16"))]
+    found += [pass_rows.prologue_variant(d, i, o) for d in pass_rows.PROLOGUE.head_dims for i in dtypes for o in dtypes]
+    found += [pass_rows.split_variant(128), *(pass_rows.quantize_variant(128, i) for i in ("bfloat16", "float16"))]
     builds = []
     for variant in found:
         builds.append((variant, variant.arch((9, 0))))
@@ -92,13 +93,15 @@ def dump(tree: Path, dest: Path) -> None:
     """Compile each of the tree's builds not yet in `dest`; write its cubin, SASS and resource usage there."""
     sys.path.insert(0, str(tree))
     registry, _ = _module(tree, "registry")
+    has_pass_rows = any((tree / "pictor_diffusers").rglob("pass_rows.py"))
+    pass_rows = _module(tree, "pass_rows")[0] if has_pass_rows else registry  # older trees: one table
     nvrtc, nvrtc_file = _module(tree, "nvrtc")
     sources, _ = _module(tree, "sources")
     cuobjdump = _tool("cuobjdump")
     version = repr(nvrtc.nvrtc_version())
     dest.mkdir(parents=True, exist_ok=True)
     index = {}
-    for variant, arch in _builds(registry):
+    for variant, arch in _builds(registry, pass_rows):
         texts: dict[str, str] = {}
         _included(tree / "kernels", variant.spec.source, texts)
         key_parts = [*(f"{n}\0{t}" for n, t in sorted(texts.items())), *variant.options(), arch, version]

@@ -108,7 +108,7 @@ def test_split_planes_hold_22_bits(seq: int) -> None:
     from pictor_diffusers.cuda import nvrtc
     from pictor_diffusers.cuda.geometry import Geometry
     from pictor_diffusers.cuda.launch import split_planes
-    from pictor_diffusers.cuda.registry import split_variant
+    from pictor_diffusers.cuda.pass_rows import split_variant
 
     query, key, value = random_qkv(2, 3, seq, 128, seed=seq)
     value = value * torch.logspace(-3, 3, 128, device="cuda")

@@ -18,9 +18,9 @@ from pictor_diffusers import PictorAttn, attention
 from pictor_diffusers.cuda import nvrtc
 from pictor_diffusers.cuda.geometry import Geometry, Window
 from pictor_diffusers.cuda.launch import run
+from pictor_diffusers.cuda.pass_rows import quantize_variant
 from pictor_diffusers.cuda.plan import cannot_run, plan_attention
 from pictor_diffusers.cuda.quantized import quantize, workspace_layout
-from pictor_diffusers.cuda.registry import quantize_variant
 from pictor_diffusers.ops.attention import windowed_attention
 from pictor_diffusers.ops.quant_reference import kernel_twin, quantize_fp8_channels, quantize_int8_blocks, smooth_k
 from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, transformer_inputs

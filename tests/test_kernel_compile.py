@@ -26,20 +26,17 @@ from pathlib import Path
 import pytest
 from compile_tools import cubin_resources, needs_cupy, parse_resources, ptx_for, ptxas_report, sass_tool, spills
 
-from pictor_diffusers.cuda.registry import (
-    BY_NAME,
-    KERNELS,
+from pictor_diffusers.cuda.pass_rows import (
     PROLOGUE,
     PROLOGUE_SPLIT,
     QUANTIZE,
     SPLIT,
-    Variant,
     prologue_split_variant,
     prologue_variant,
     quantize_variant,
     split_variant,
-    variants,
 )
+from pictor_diffusers.cuda.registry import BY_NAME, KERNELS, Variant, variants
 
 PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
 PROLOGUES = tuple(

@@ -13,7 +13,7 @@ import re
 import pytest
 from compile_tools import needs_cupy, ptx_for
 
-from pictor_diffusers.cuda.registry import (
+from pictor_diffusers.cuda.pass_rows import (
     PROLOGUE,
     PROLOGUE_SPLIT,
     SPLIT,

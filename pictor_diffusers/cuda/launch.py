@@ -21,10 +21,11 @@ import torch
 from ..dtypes import DTYPE_NAMES
 from . import nvrtc, runtime, tensor_maps
 from .geometry import Geometry, Launch, SplitPlanes, Window, split_halves
+from .pass_rows import SPLIT, prologue_split_variant, prologue_variant, split_variant
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
-from .registry import SPLIT, KernelSpec, prologue_split_variant, prologue_variant, split_variant
+from .registry import KernelSpec
 
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
@@ -233,7 +234,7 @@ def split_planes(
     pointers: tuple[int, int, int], geometry: Geometry, device_index: int, function: int, one_allocation: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window's f32 q, k, v (first-row addresses, `geometry`) as scaled float16 hi/lo planes,
-    by the split kernel's two phases (`function`: its loaded `CUfunction` handle, `registry.split_variant`'s).
+    by the split kernel's two phases (`function`: its loaded `CUfunction` handle, `pass_rows.split_variant`'s).
 
     Returns the planes (float16, flat: q's `[2 (hi, lo), planes, q_count, D]`, then k's and v's,
     each `[2, planes, k_count, D]`) and the column maxima `[3, planes, D]` (f32 bit patterns as

@@ -29,6 +29,7 @@ import torch
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES, DTYPES
 from . import nvrtc, runtime, tensor_maps
 from .geometry import SplitPlanes, Window, full_window
+from .pass_rows import prepass_for
 from .registry import (
     BY_NAME,
     KERNEL_CHOICES,
@@ -38,7 +39,6 @@ from .registry import (
     Variant,
     family_of,
     kernels_for,
-    prepass_for,
     variant_for,
 )
 
@@ -100,7 +100,7 @@ class AttentionPlan(NamedTuple):
 
 class Prepared(NamedTuple):
     """A selection made runnable on one device: `function` is the chosen build's loaded `CUfunction` handle
-    and `prepass_function` that of the prepass its operands need (`registry.prepass_for`); 0 where there is
+    and `prepass_function` that of the prepass its operands need (`pass_rows.prepass_for`); 0 where there is
     none (SDPA, or a kernel that reads q, k, v as they are)."""
 
     selection: Selection

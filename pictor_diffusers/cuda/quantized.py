@@ -22,7 +22,7 @@ import torch
 
 from . import runtime, tensor_maps
 from .geometry import Geometry
-from .registry import QUANTIZE
+from .pass_rows import QUANTIZE
 
 TILE, Q_BLOCK = 128, 64
 CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
@@ -54,7 +54,7 @@ def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int = 12
 def quantize(
     pointers: tuple[int, int, int], g: Geometry, device_index: int, function: int, key_lens: int = 0
 ) -> tuple[torch.Tensor, dict[str, int]]:
-    """Run the prepass (`function`: its loaded `CUfunction` handle, `registry.quantize_variant`'s) on the
+    """Run the prepass (`function`: its loaded `CUfunction` handle, `pass_rows.quantize_variant`'s) on the
     window's q, k, v (`pointers`, `g`; `key_lens`: the address of per-batch key counts, or 0); returns the
     workspace (uint8, keep it referenced until the attention launch is issued) and each output's address."""
     layout = workspace_layout(g.planes, g.q_count, g.k_count, g.head_dim)

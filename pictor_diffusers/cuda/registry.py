@@ -1,8 +1,9 @@
-"""The kernel registry: one row per CUDA kernel.
+"""The kernel registry: one row per CUDA kernel (the attention kernels here; the prologues' and prepasses'
+rows in `pass_rows.py`, whose `prepass_for` names the prepass build a row's operands need).
 
 A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute capability), how it is built
 (source, `-D` geometry, arch) and how it is launched (threads, rows per block, shared memory, operand and
-scalar lists); `prepass_for` names the prepass build (`SPLIT`, `QUANTIZE`) a row's operands need.
+scalar lists).
 `plan.select_kernel` chooses among the rows from plain facts. Adding a kernel means adding a row here and
 its `.cu` file in `kernels/`; `launch.py` runs any row. Everything here is a table or a pure lookup.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..dtypes import HALF_DTYPES, KINDS
 
@@ -302,113 +303,3 @@ def variants(spec: KernelSpec) -> tuple[Variant, ...]:
     head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
     builds = [(d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i)]
     return tuple(Variant(spec, *build, key_lens) for key_lens in (False, True) for build in builds)
-
-
-_PASS = {"min_capability": (5, 0), "threads": 256, "shared_bytes": lambda d: 0, "smem_define": False, "flags": ()}
-"""What the prologues and prepasses share: any GPU, 8 warps, no dynamic shared memory, no -ftz (the prologues'
-f32 math must agree bit for bit, and the split keeps subnormals)."""
-
-PROLOGUE = KernelSpec(
-    name="prologue",
-    family="prologue",
-    source="qkv_prologue.cu",
-    entry="qkv_prologue",
-    in_dtypes=tuple(KINDS),
-    out_dtypes=tuple(KINDS),
-    head_dims=tuple(range(4, 129, 4)),
-    rows_per_block=1,
-    prefix="PR_",
-    geometry={"THREADS": "256"},
-    kinds=("IN_KIND", "OUT_KIND"),
-    scalars=(),
-    **_PASS,
-)
-"""The fused QK-norm / RoPE / head-major prologue (grid: one block per token and batch)."""
-
-PROLOGUE_SPLIT = replace(
-    PROLOGUE,
-    name="prologue_split",
-    source="qkv_prologue_split.cu",
-    entry="qkv_prologue_split",
-    out_dtypes=("float16",),
-    head_dims=(128,),
-    rows_per_block=64,
-    prefix="PS_",
-    geometry={"ROWS": "64", "THREADS": "256"},
-    kinds=("IN_KIND",),
-)
-"""The parity path's prologue writing fp16x3's split planes and column maxima (two phases; `SPLIT`'s grid)."""
-
-
-SPLIT = KernelSpec(
-    name="split",
-    family="prepass",
-    source="split_fp16x2.cu",
-    entry="split_fp16x2",
-    in_dtypes=("float32",),
-    out_dtypes=("float16",),
-    head_dims=(128,),
-    rows_per_block=64,
-    prefix="SP_",
-    geometry={"ROWS": "64", "THREADS": "256"},
-    scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch"),
-    **_PASS,
-)
-"""The fp16x3 kernel's prepass: f32 q, k, v -> scaled float16 hi/lo planes (two phases, one entry)."""
-
-
-QUANTIZE = KernelSpec(
-    name="quantize8",
-    family="prepass",
-    source="quantize_qkv8.cu",
-    entry="quantize_qkv8",
-    in_dtypes=HALF_DTYPES,
-    out_dtypes=("int8",),
-    head_dims=(128,),
-    rows_per_block=128,
-    prefix="QZ_",
-    geometry={"THREADS": "256", "CHUNKS": "16"},
-    kinds=("IN_KIND",),
-    scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch", "heads", "scale_log2"),
-    **{**_PASS, "min_capability": (8, 9)},
-)
-"""The 8-bit kernel's prepass: 16-bit q, k, v -> int8 q, smoothed int8 k, E4M3 V^T and their scales
-(two phases, one entry)."""
-
-
-@functools.cache
-def quantize_variant(head_dim: int, in_dtype: str) -> Variant:
-    """The quantising prepass build for `head_dim` (128) and `in_dtype` (bfloat16 or float16) inputs."""
-    return Variant(QUANTIZE, head_dim, in_dtype, "int8")
-
-
-@functools.cache
-def split_variant(head_dim: int) -> Variant:
-    """The split build for `head_dim` (128, the fp16x3 kernel's)."""
-    return Variant(SPLIT, head_dim, "float32", "float16")
-
-
-@functools.cache
-def prologue_variant(head_dim: int, in_dtype: str, out_dtype: str) -> Variant:
-    """The prologue build for `head_dim`, reading `in_dtype` projections and writing `out_dtype`."""
-    if head_dim not in PROLOGUE.head_dims:
-        raise ValueError(f"the fused prologue needs head_dim a multiple of 4 in [4, 128], got {head_dim}")
-    return Variant(PROLOGUE, head_dim, in_dtype, out_dtype)
-
-
-@functools.cache
-def prologue_split_variant(head_dim: int, in_dtype: str) -> Variant:
-    """The split prologue build for `head_dim` (128, the fp16x3 kernel's), reading `in_dtype` projections."""
-    if head_dim not in PROLOGUE_SPLIT.head_dims:
-        raise ValueError(f"the split prologue needs head_dim {PROLOGUE_SPLIT.head_dims}, got {head_dim}")
-    return Variant(PROLOGUE_SPLIT, head_dim, in_dtype, "float16")
-
-
-def prepass_for(variant: Variant) -> Variant | None:
-    """The prepass build that turns q, k, v into `variant`'s operands: the split for "split_planes", the
-    quantiser for "quantized"; None for a kernel that reads them as they are."""
-    if variant.spec.operands == "split_planes":
-        return split_variant(variant.head_dim)
-    if variant.spec.operands == "quantized":
-        return quantize_variant(variant.head_dim, variant.in_dtype)
-    return None
