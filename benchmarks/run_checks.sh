@@ -27,7 +27,7 @@ sanitize() {
 for name in "${@:-suite memcheck racecheck host overheads}"; do
   for part in $name; do
     case $part in
-      suite) step 230 python3 -m pytest -q -rs -m gpu --maxfail=10 -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
+      suite) step 230 python3 -m pytest -q -rs -m gpu --maxfail=30 -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
         grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/pytest_gpu.log" | tail -25 ;;
       memcheck|racecheck) sanitize "$part" ;;
       host) step 60 python3 benchmarks/profile_host.py --json "$OUT/${GPU}_host_profile.json" | grep "µs host" ;;

@@ -144,9 +144,10 @@ def test_checks_still_run_next_to_remembered_tensors(bad: dict, error: type) -> 
 
 def test_memo_keeps_no_tensor_alive() -> None:
     query, key, value = fresh((1, 3, 77, 128), torch.bfloat16, seed=7)
-    out = attention(query, key, value)
-    refs = [weakref.ref(t) for t in (query, key, value, out)]
-    del query, key, value, out
+    key_lens = torch.tensor([50], dtype=torch.int32, device="cuda")
+    out = attention(query, key, value, key_lens=key_lens)
+    refs = [weakref.ref(t) for t in (query, key, value, out, key_lens)]
+    del query, key, value, out, key_lens
     gc.collect()
     assert all(ref() is None for ref in refs)
 

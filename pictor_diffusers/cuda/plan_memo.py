@@ -102,7 +102,7 @@ def remember(
     if not qualifies:
         return plan
     plan = plan._replace(launch=runtime.PreparedLaunch(plan.function, attention_launch(plan), OUT_OPERAND))
-    template = plan._replace(query=None, key=None, value=None, written=None)
+    template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None)  # addresses: in the launch
     _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
     return plan
 
