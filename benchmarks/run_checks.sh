@@ -4,21 +4,8 @@
 # Usage (repo root, device machine): BUDGET=400 bash benchmarks/run_checks.sh [STEP...]; steps: suite, memcheck,
 # racecheck, host, overheads (default: all, in that order). Each step runs under the smaller of its limit and
 # the time left. SANITIZE_ARGS: arguments of sanitizer_cases.py (e.g. --kernels fp16x3).
-set -u -o pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z_' | sed 's/nvidia_//; s/_.*//')
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-SECONDS=0
-step() {  # step SECONDS COMMAND...: run COMMAND under the smaller of SECONDS and the time left
-  local limit=$1 left=$(( ${BUDGET:-400} - SECONDS )); shift
-  [ "$left" -lt 20 ] && { echo "[$SECONDS s] skipped (no time): $*"; return; }
-  [ "$limit" -gt "$left" ] && limit=$left
-  timeout -s INT -k 10 "$limit" "$@"
-  echo "[$SECONDS s] rc=$? $*"
-}
+BUDGET=${BUDGET:-400}
+source benchmarks/device_env.sh
 sanitize() {
   step 100 compute-sanitizer --tool "$1" --error-exitcode 9 python3 benchmarks/sanitizer_cases.py ${SANITIZE_ARGS:-} \
     > "$OUT/sanitize_$1.log" 2>&1

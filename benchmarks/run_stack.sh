@@ -5,21 +5,8 @@
 # whole:<image>[:<linears>] (the whole model compiled), probe (a 1+2-block fp8 model compiled whole, torchao's
 # inductor options off then on: compile seconds), parity:<image> (stock and PictorAttn(), regional), suite (the
 # GPU test suite), host (profile_host.py), layers, auto_route.
-set -u -o pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z_' | sed 's/nvidia_//; s/_.*//')
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-SECONDS=0
-step() {  # step SECONDS COMMAND...: run COMMAND under the smaller of SECONDS and the time left
-  local limit=$1 left=$(( ${BUDGET:-580} - SECONDS )); shift
-  [ "$left" -lt 30 ] && { echo "[$SECONDS s] skipped (no time): $*"; return; }
-  [ "$limit" -gt "$left" ] && limit=$left
-  timeout -s INT -k 10 "$limit" "$@"
-  echo "[$SECONDS s] rc=$? $*"
-}
+BUDGET=${BUDGET:-580}
+source benchmarks/device_env.sh
 stack() { (cd benchmarks && step "$@"); }
 for spec in "$@"; do
   IFS=: read -r name image linears <<< "$spec"

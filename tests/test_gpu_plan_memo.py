@@ -22,7 +22,7 @@ from launch_counts import count_launches
 
 from pictor_diffusers import attention
 from pictor_diffusers.cuda import plan_memo
-from pictor_diffusers.ops.attention import _memo_key
+from pictor_diffusers.ops.attention import memo_key
 from pictor_diffusers.testing.references import attention_float64
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -170,11 +170,11 @@ def test_no_fast_path_offered(change: dict) -> None:
     the unchanged call gets one."""
     args = {"scale": None, "kernel": "auto", "out_dtype": None, "return_lse": False, "key_lens": None}
     q, k, v = fresh((2, 3, 17, 64), torch.bfloat16, seed=8)
-    assert _memo_key(q, k, v, **args) is not None
+    assert memo_key(q, k, v, **args) is not None
     change = dict(change)
     if change.pop("requires_grad", False):
         q.requires_grad_(True)
-    assert _memo_key(q, k, v, **{**args, **change}) is None
+    assert memo_key(q, k, v, **{**args, **change}) is None
 
 
 def dispatch(backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: object):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pictor_diffusers.cuda.plan_memo import call_key
-from pictor_diffusers.ops.attention import _memo_key
+from pictor_diffusers.ops.attention import memo_key
 
 BASE = dict(scale=None, kernel="auto", out_dtype=None)
 
@@ -45,4 +45,4 @@ def test_every_fact_changes_the_key() -> None:
 
 def test_cpu_calls_get_no_fast_path() -> None:
     q, k, v = qkv()
-    assert _memo_key(q, k, v, None, "auto", None, False, None) is None
+    assert memo_key(q, k, v, None, "auto", None, False, None) is None

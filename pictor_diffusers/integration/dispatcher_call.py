@@ -34,8 +34,8 @@ from ..cuda import plan_memo
 from ..cuda.launch import run
 from ..cuda.plan import NoKernelError, resolve
 from ..cuda.registry import BY_NAME, MAX_HEAD_DIM
-from ..ops.attention import attention
-from ..ops.custom_ops import needs_op, no_backward
+from ..ops.attention import attention, memo_key
+from ..ops.custom_ops import no_backward
 from ..ops.validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
 from .key_padding import DROPPED_AT, KeyPadding, padding_of
 
@@ -116,14 +116,10 @@ def _replay_key(name: str, query: object, key: object, value: object, scale: obj
     """A `plan_memo` key for an unmasked, non-causal, dropout-free call on backend `name`, eagerly on CUDA with no
     autograd recording or profiler (the checks a served call passed depend only on what the key names), or None.
     A remembered key replays the call's kernel launch directly (`make_backend`), skipping every check and copy."""
-    if not (scale is None or type(scale) is float):
+    call = memo_key(query, key, value, scale, "backend", None, False, None)
+    if call is None or _profiling():  # profiled calls take the full path, which labels them
         return None
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not query.is_cuda or needs_op(*tensors):
-        return None
-    if _profiling():  # the full path, which labels the call in the profile
-        return None
-    return (name, *plan_memo.call_key(query, key, value, scale, "backend", None))
+    return (name, *call)
 
 
 def _head_major(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -143,7 +143,7 @@ def attention(
     (`pictor_diffusers.ops.reference`); "fp8" runs its quantised twin
     (`pictor_diffusers.ops.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
     """
-    call = _memo_key(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
+    call = memo_key(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
     if call is not None:
         plan = plan_memo.replay(call, query, key, value)
         if plan is not None:
@@ -171,13 +171,14 @@ def attention(
     return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
 
 
-def _memo_key(
+def memo_key(
     query: object, key: object, value: object, scale: object, kernel: object, out_dtype: object,
     return_lse: object, key_lens: object,
 ) -> tuple | None:  # fmt: skip
     """The call's `plan_memo` key when the host fast path may serve it: CUDA tensors, eagerly, with no
     autograd recording, no LSE, and arguments of the types the checks accept (so a key that matches one of a
-    validated call means these arguments pass the same checks); else None."""
+    validated call means these arguments pass the same checks); else None. diffusers' backend names its own
+    calls with it too (`kernel="backend"`, under its backend's name)."""
     if return_lse is not False or type(kernel) is not str:
         return None
     if not (key_lens is None or isinstance(key_lens, torch.Tensor)):
