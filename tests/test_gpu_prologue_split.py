@@ -128,7 +128,8 @@ def test_value_channels_of_every_magnitude(dtype: torch.dtype) -> None:
     """v channels of 1e-4..1e4 through the fused route: the unfused route's output bit for bit, and each output
     channel's error, relative to its magnitude, within 1e-5 or twice SDPA fp32's own on the same q, k, v (the
     normed and rotated q, k can give logits far larger than N(0, 1) inputs do)."""
-    layout = prologue_layout(*_arguments("double-separate", 2, dtype, with_rope=True))
+    arguments = _arguments("double-separate", 2, dtype, with_rope=True)
+    layout = prologue_layout(*arguments)
     fused = qkv_prologue_split_cuda(layout)
     reference, qkv = _unfused_planes(layout)
     _assert_same_bits(fused, reference, "wide-range v")

@@ -58,7 +58,8 @@ class PrologueLayout(NamedTuple):
     `pointers`: q, k, v text; q, k, v image; the 4 norm weights; cos, sin (the
     first weight twice when there is no RoPE). A single segment is passed as an
     empty text segment pointing at the image projections. `strides`: text row,
-    text batch, image row, image batch, in elements.
+    text batch, image row, image batch, in elements. It holds addresses, not the tensors: the caller keeps
+    them alive until the launches on it are queued.
     """
 
     pointers: list[int]
