@@ -2,8 +2,8 @@
 
 Two worker processes, one per checkout (each imports its own `pictor_diffusers`
 and compiles its own `kernels/`), time the same rows through the public
-`attention()`; the driver alternates A, B, A, B... per row, so clock and
-thermal drift hit both sides alike. Per row: the median over rounds of each
+`attention()`; per row the driver alternates A, B, then B, A, ... so clock
+and thermal drift hit both sides alike, in both run orders. Per row: the median over rounds of each
 side's CUDA-event median (GPU time, the GPU held ~1 ms before each call), and
 the ratio B / A.
 
@@ -29,7 +29,7 @@ MAX_F32_SEQ = 4608
 
 
 def serve() -> None:
-    """Worker: read `kernel dtype B H N D warmup timed` lines, answer each with the median ms."""
+    """Worker: read `kernel dtype B H Nq Nk D warmup timed` lines, answer each with the median ms."""
     import torch
 
     from pictor_diffusers import attention  # the checkout's own; nothing else of it is assumed
@@ -37,10 +37,10 @@ def serve() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for line in sys.stdin:
         kernel, dtype, *numbers = line.split()
-        batch, heads, seq, head_dim, warmup, timed = (int(x) for x in numbers)
-        generator = torch.Generator(device="cuda").manual_seed(seq + heads)
-        shape = (batch, heads, seq, head_dim)
-        q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtypes[dtype]) for _ in range(3))
+        batch, heads, seq_q, seq_k, head_dim, warmup, timed = (int(x) for x in numbers)
+        generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k + heads)
+        shapes = [(batch, heads, seq_q, head_dim)] + [(batch, heads, seq_k, head_dim)] * 2
+        q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtypes[dtype]) for shape in shapes)
         for _ in range(warmup):
             attention(q, k, v, kernel=kernel)
         times = []
@@ -82,8 +82,8 @@ class Worker:
 
 def repetitions(kernel: str, shape: tuple[int, ...]) -> tuple[int, int]:
     """(warm-up, timed) calls, fewer for the slow f32-path rows."""
-    batch, heads, seq, _ = shape
-    work = batch * heads * seq * seq / (2 * 48 * 16896**2)
+    batch, heads, seq_q, seq_k, _ = shape
+    work = batch * heads * seq_q * seq_k / (2 * 48 * 16896**2)
     if kernel in ("tf32x3", "f32") and work > 0.05:
         return 1, 3
     return 3, 10
@@ -96,7 +96,11 @@ def main() -> None:
     parser.add_argument("--candidate", type=Path, default=Path(__file__).resolve().parents[1], help="checkout B")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rows", help="comma list of kernel:dtype (default: every pictor row)")
-    parser.add_argument("--shapes", help="comma list of BxHxNxD (default: FLUX.2's B 1-2, H 24-48, N 1536-16896)")
+    parser.add_argument(
+        "--shapes",
+        help="comma list of BxHxNxD or, for cross-attention, BxHxNqxNkxD (default: FLUX.2's B 1-2, H "
+        "24-48, N 1536-16896)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.serve:
@@ -106,20 +110,28 @@ def main() -> None:
     records = []
     rows = [tuple(row.split(":")) for row in args.rows.split(",")] if args.rows else ROWS
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
-    for shape in shapes:
+    for shape in (s if len(s) == 5 else (*s[:3], *s[2:]) for s in shapes):
         for kernel, dtype in rows:
-            if kernel == "f32" and shape[2] > MAX_F32_SEQ:
+            if kernel == "f32" and max(shape[2:4]) > MAX_F32_SEQ:
                 continue
             request = " ".join(map(str, (kernel, dtype, *shape, *repetitions(kernel, shape))))
             times: dict[str, list[float]] = {"A": [], "B": []}
-            for _ in range(args.rounds):
-                for side, worker in workers.items():
-                    times[side].append(worker.time(request))
+            for round_ in range(args.rounds):
+                for side in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
+                    times[side].append(workers[side].time(request))
             a, b = median(times["A"]), median(times["B"])
-            record = {"suite": "ab", "kernel": kernel, "dtype": dtype, **dict(zip("BHND", shape, strict=True))}
-            record |= {"ms_a": a, "ms_b": b, "ratio_b_over_a": b / a}
+            flops = 4 * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+            record = {
+                "suite": "ab",
+                "kernel": kernel,
+                "dtype": dtype,
+                **dict(zip(("B", "H", "N", "Nk", "D"), shape, strict=True)),
+            }
+            record |= {"ms_a": a, "ms_b": b, "ratio_b_over_a": b / a, "tflops_a": flops / a / 1e9}
+            record |= {"tflops_b": flops / b / 1e9}
             records.append(record)
-            print(f"{kernel:>7} {dtype} B{shape[0]} H{shape[1]:>2} N{shape[2]:>5}: A {a:9.3f} ms  B {b:9.3f} ms  "
+            print(f"{kernel:>7} {dtype} B{shape[0]} H{shape[1]:>2} N{shape[2]:>5} Nk{shape[3]:>5} D{shape[4]}: "
+                  f"A {a:9.3f} ms ({record['tflops_a']:5.1f} TF)  B {b:9.3f} ms ({record['tflops_b']:5.1f} TF)  "
                   f"B/A {b / a:.3f}", flush=True)  # fmt: skip
     for worker in workers.values():
         worker.close()

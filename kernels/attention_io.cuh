@@ -7,8 +7,10 @@
                 KEY_LENS=0 build is the kernel without them): the host moves each batch's kept keys
                 to the front of the window, and batch b attends its first key_lens[b] keys, clamped
                 to [0, seq_k]; a batch with none gets rows of 0 and LSE -inf, as torch's SDPA gives.
-                  pk_batch_keys          the batch's key count, clamped to the window
-                  pk_store_keyless_rows  a batch with no keys: output 0, LSE -inf (torch's SDPA)
+                  pk_keys_of             a batch's key count, clamped to the window
+                  pk_batch_keys          the same for the block's batch, blockIdx.z
+                  pk_store_keyless_tile  a batch with no keys: output 0, LSE -inf (torch's SDPA)
+                  pk_store_keyless_rows  the same for the block's own rows
                   pk_no_keys             a KEY_LENS build's first step: both of the above
                   PK_HOLD_KEYS           pk_no_keys, then the count kept in shared memory
                                          (PK_HELD_KEYS), for the mma.sync kernels */
@@ -37,30 +39,47 @@
         unsigned int kv_pitch, unsigned int out_pitch
 #define PK_MAP_SCALARS unsigned int num_heads, unsigned int seq_q, unsigned int seq_k, unsigned int out_pitch
 
-/* The keys batch blockIdx.z attends: the first key_lens[blockIdx.z] of the
+/* The keys batch `batch` (pk_batch_keys: blockIdx.z) attends: the first key_lens[batch] of the
    window's seq_k (clamped to [0, seq_k]), or all seq_k when key_lens is null. */
-__device__ __forceinline__ unsigned int pk_batch_keys(const int* key_lens, unsigned int seq_k)
+__device__ __forceinline__ unsigned int pk_keys_of(const int* key_lens, unsigned int batch, unsigned int seq_k)
 {
-    return key_lens == nullptr ? seq_k : (unsigned int)min(max(key_lens[blockIdx.z], 0), (int)seq_k);
+    return key_lens == nullptr ? seq_k : (unsigned int)min(max(key_lens[batch], 0), (int)seq_k);
 }
 
-/* The block's query rows [blockIdx.x * rows, + rows) of head blockIdx.y when
-   its batch has no keys: outputs 0 and LSE -inf, what torch's SDPA gives a
-   row whose keys are all masked. out: token-major [batch, out_pitch,
-   num_heads * head_dim] of dtype KIND (0 is 0 in every dtype), at the
-   window's first row; rows >= seq_q are left alone. */
+__device__ __forceinline__ unsigned int pk_batch_keys(const int* key_lens, unsigned int seq_k)
+{
+    return pk_keys_of(key_lens, blockIdx.z, seq_k);
+}
+
+/* Query rows [row0, row0 + rows) of head `head` in batch `batch` when that batch has no keys: outputs 0
+   and LSE -inf, what torch's SDPA gives a row whose keys are all masked, written by threads `tid` of
+   `threads`. out: token-major [batch, out_pitch, num_heads * head_dim] of dtype KIND (0 is 0 in every
+   dtype), at the window's first row; rows >= seq_q are left alone. */
+template <int KIND>
+__device__ __forceinline__ void pk_store_keyless_tile(typename pk_storage<KIND>::type* out, float* lse,
+                                                      unsigned int row0, unsigned int rows, unsigned int head,
+                                                      unsigned int batch, unsigned int seq_q, unsigned int num_heads,
+                                                      unsigned int head_dim, unsigned int out_pitch, unsigned int tid,
+                                                      unsigned int threads)
+{
+    for (unsigned int i = tid; i < rows * head_dim; i += threads) {
+        const unsigned int row = row0 + i / head_dim, col = i % head_dim;
+        if (row >= seq_q) continue;
+        const unsigned long long token = (unsigned long long)batch * out_pitch + row;
+        out[(token * num_heads + head) * head_dim + col] = 0;
+        if (col == 0 && lse != nullptr) lse[token * num_heads + head] = PK_NEG_INF;
+    }
+}
+
+/* pk_store_keyless_tile for the block's own rows [blockIdx.x * rows, + rows) of head blockIdx.y in
+   batch blockIdx.z, by all its threads. */
 template <int KIND>
 __device__ __forceinline__ void pk_store_keyless_rows(typename pk_storage<KIND>::type* out, float* lse,
                                                       unsigned int rows, unsigned int seq_q, unsigned int num_heads,
                                                       unsigned int head_dim, unsigned int out_pitch)
 {
-    for (unsigned int i = threadIdx.x; i < rows * head_dim; i += blockDim.x) {
-        const unsigned int row = blockIdx.x * rows + i / head_dim, col = i % head_dim;
-        if (row >= seq_q) continue;
-        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
-        out[(token * num_heads + blockIdx.y) * head_dim + col] = 0;
-        if (col == 0 && lse != nullptr) lse[token * num_heads + blockIdx.y] = PK_NEG_INF;
-    }
+    pk_store_keyless_tile<KIND>(out, lse, blockIdx.x * rows, rows, blockIdx.y, blockIdx.z, seq_q, num_heads,
+                                head_dim, out_pitch, threadIdx.x, blockDim.x);
 }
 
 /* A key-count build's first step: seq_k becomes the batch's key count

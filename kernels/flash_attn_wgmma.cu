@@ -15,17 +15,25 @@
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then run
        tile j's softmax while the P.V product is still in flight, so the
        exponentials overlap the tensor cores.
+   Persistent: each block loops over work tiles (128 query rows of one head
+   and batch), and the K/V ring runs on from one work tile to the next, so the
+   next tile's keys and its Q tile load while the last P.V and the store of
+   the current one run (Q is reloaded once both consumers' S products are done).
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
-   sm90_wgmma.cuh's; this file holds the tile copies, the main loop and the store.
+   sm90_wgmma.cuh's; this file holds the tile copies, the schedule, the main
+   loop and the store.
 
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
    against this kernel's own formulas; WG_STAGES is the one free choice):
-       grid  = (ceil(seq_q / WG_BQ), num_heads, batch), WG_BQ = 128 query rows
-       block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers)
-       dynamic shared memory = WG_SMEM_BYTES = 230,504 bytes at WG_D = 128 and
-       WG_STAGES = 3 (224 KiB of tiles, 1 KiB of alignment slack, 104 bytes of
-       mbarriers; 115,816 bytes at WG_D = 64):
+       grid  = (min(work tiles, SMs), 1, 1); work tiles = ceil(seq_q / WG_BQ)
+               x num_heads x batch, WG_BQ = 128 query rows; block b takes
+               tiles b, b + gridDim.x, ... (query block fastest, then head)
+       block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers), one
+               block per SM
+       dynamic shared memory = WG_SMEM_BYTES = 230,512 bytes at WG_D = 128 and
+       WG_STAGES = 3 (224 KiB of tiles, 1 KiB of alignment slack, 112 bytes of
+       mbarriers; 115,824 bytes at WG_D = 64):
            Q tile, WG_STAGES x (K tile, V tile), 128 x WG_D 16-bit each, stored
            as WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
            swizzle; then the mbarriers.
@@ -50,6 +58,7 @@
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
                  batch b attends its first key_lens[b] keys (attention_io.cuh)
+       batch   : the last argument, B (the work tiles' count)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. WG_D is 64
@@ -78,7 +87,7 @@
 #define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
 #define WG_TILE_BYTES (WG_SLABS * WG_SLAB_BYTES)    /* 128 rows x WG_D columns */
 #define WG_O_REGS (WG_D / 2)                 /* a consumer thread's output accumulators */
-#define WG_BARRIER_BYTES (8 * (1 + 4 * WG_STAGES))
+#define WG_BARRIER_BYTES (8 * (2 + 4 * WG_STAGES))   /* the ring's, then q_free */
 static_assert(WG_BQ == 128 && WG_BK == 128,
               "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
 static_assert(WG_THREADS == PK_THREADS,
@@ -140,13 +149,15 @@ __device__ __forceinline__ void wg_pack_p(unsigned int* p, const float* s)
 /* ---- roles ---- */
 
 /* Shared-memory map: Q tile, K tiles, V tiles (1024-byte aligned for the
-   swizzle), then the mbarriers q_full, k_full[], v_full[], k_free[], v_free[]. Stage
-   addresses are computed, not indexed, so nothing lands in local memory. */
+   swizzle), then the ring's mbarriers q_full, k_full[], v_full[], k_free[], v_free[] and
+   q_free (the consumers are done with the Q tile). Stage addresses are computed, not
+   indexed, so nothing lands in local memory. */
 struct wg_smem : pk_ring<WG_STAGES> {
     unsigned int base;
     __device__ unsigned int q() const { return base; }
     __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * WG_TILE_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + (1 + WG_STAGES + s) * WG_TILE_BYTES; }
+    __device__ unsigned int q_free() const { return bars + 8 * (1 + 4 * WG_STAGES); }
 };
 
 __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
@@ -157,26 +168,68 @@ __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
     return m;
 }
 
+/* One work tile: WG_BQ query rows from q0 of head `head` in batch `batch`, over that batch's seq_k keys
+   (n_tiles key tiles; 0 when the batch has none). */
+struct wg_work {
+    unsigned int q0, head, batch, seq_k, n_tiles;
+};
+
+/* The launch's work tiles, numbered query block fastest, then head, then batch: the blocks running at once
+   share heads, so K and V come from L2. Block b takes tiles b, b + gridDim.x, ... */
+struct wg_schedule {
+    unsigned int q_blocks, num_heads, seq_k, n_work;
+    const int* key_lens;
+
+    __device__ wg_work at(unsigned int w) const
+    {
+        wg_work t;
+        t.q0 = (w % q_blocks) * WG_BQ;
+        t.head = (w / q_blocks) % num_heads;
+        t.batch = w / q_blocks / num_heads;
+        t.seq_k = WG_KEY_LENS ? pk_keys_of(key_lens, t.batch, seq_k) : seq_k;
+        t.n_tiles = (t.seq_k + WG_BK - 1) / WG_BK;
+        return t;
+    }
+};
+
+/* The producer thread: per work tile with keys, the Q tile once the consumers freed the last one, then its
+   key tiles through the ring, which runs on across work tiles. */
 __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
-                                           const pk_tensor_map* tm_v, int head, int batch, int q0,
-                                           unsigned int n_tiles)
+                                           const pk_tensor_map* tm_v, const wg_schedule& sched)
 {
-    wg_copy_tile(m.q(), tm_q, q0, head, batch, m.q_full());
-    m.produce(
-        n_tiles,
-        [&](unsigned int j, unsigned int s) { wg_copy_tile(m.k(s), tm_k, j * WG_BK, head, batch, m.k_full(s)); },
-        [&](unsigned int j, unsigned int s) { wg_copy_tile(m.v(s), tm_v, j * WG_BK, head, batch, m.v_full(s)); });
+    unsigned int first = 0, round = 0;
+    for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
+        const wg_work t = sched.at(w);
+        if (t.n_tiles == 0) continue;
+        if (round > 0) pk_bar_wait(m.q_free(), (round - 1) & 1);
+        wg_copy_tile(m.q(), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full());
+        m.produce(
+            t.n_tiles,
+            [&](unsigned int j, unsigned int s) {
+                wg_copy_tile(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
+            },
+            [&](unsigned int j, unsigned int s) {
+                wg_copy_tile(m.v(s), tm_v, j * WG_BK, (int)t.head, (int)t.batch, m.v_full(s));
+            },
+            first);
+        first += t.n_tiles;
+        round++;
+    }
 }
 
-__device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __restrict__ out, float* __restrict__ lse,
-                                           unsigned int num_heads, unsigned int seq_q, unsigned int seq_k,
-                                           unsigned int out_pitch, float scale_log2, unsigned int n_tiles)
+/* One consumer warpgroup's 64 rows of work tile `wk`: its key tiles are the ring's first .. first +
+   n_tiles - 1, its Q tile the ring's round `round`. */
+__device__ __forceinline__ void wg_attend(const wg_smem& m, const wg_work& wk, unsigned int first, unsigned int round,
+                                          unsigned short* __restrict__ out, float* __restrict__ lse,
+                                          unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch,
+                                          float scale_log2)
 {
     const unsigned int rows0 = (threadIdx.x / 128 - 1) * 64;   /* this warpgroup's first row in the tile */
     const unsigned int warp = (threadIdx.x / 32) & 3u;
     const unsigned int g = (threadIdx.x & 31u) >> 2;
     const unsigned int t = threadIdx.x & 3u;
     const unsigned int q_rows = m.q() + rows0 * 128;               /* 128-byte rows in each slab */
+    const unsigned int seq_k = wk.seq_k, n_tiles = wk.n_tiles;
 
     float o[WG_O_REGS], s[64], corr[2];
     unsigned int p[32];
@@ -185,21 +238,21 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     #pragma unroll
     for (int i = 0; i < WG_O_REGS; i++) o[i] = 0.f;
 
-    m.wait_q();
-    m.wait_k(0, 0);
+    m.wait_q(round);
+    m.wait_k(first % WG_STAGES, first);
     pk_wgmma_fence();
-    wg_issue_qk(s, q_rows, m.k(0));
+    wg_issue_qk(s, q_rows, m.k(first % WG_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<64>(s);
-    m.free_k(0);
+    m.free_k(first % WG_STAGES);
     pk_mask_tail<WG_BK / 8>(s, 0, seq_k, t);
     pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
     wg_pack_p(p, s);
 
     for (unsigned int j = 1; j < n_tiles; j++) {
-        const unsigned int st = j % WG_STAGES, prev = (j - 1) % WG_STAGES;
-        m.wait_k(st, j);
-        m.wait_v(prev, j - 1);
+        const unsigned int c = first + j, st = c % WG_STAGES, prev = (c - 1) % WG_STAGES;
+        m.wait_k(st, c);
+        m.wait_v(prev, c - 1);
         pk_pin<64>(s);
         pk_pin<WG_O_REGS>(o);
         pk_wgmma_fence();
@@ -216,24 +269,26 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
         pk_rescale<WG_D / 8>(o, corr);
         wg_pack_p(p, s);
     }
-    const unsigned int last = n_tiles - 1;
+    pk_warp_arrive(m.q_free());                 /* every S product of this tile is done: Q may be reloaded */
+    const unsigned int last = first + n_tiles - 1;
     m.wait_v(last % WG_STAGES, last);
     pk_pin<WG_O_REGS>(o);
     pk_wgmma_fence();
     wg_issue_pv(o, p, m.v(last % WG_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(o);
+    m.free_v(last % WG_STAGES);
 
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
     for (int r = 0; r < 2; r++) {
         const float l = pk_quad_sum(l_run[r]);
-        const unsigned int row = blockIdx.x * WG_BQ + rows0 + warp * 16 + g + 8 * r;
+        const unsigned int row = wk.q0 + rows0 + warp * 16 + g + 8 * r;
         if (row >= seq_q) continue;
         const float inv = 1.f / l;
-        const unsigned long long token = (unsigned long long)blockIdx.z * out_pitch + row;
-        unsigned short* dst = out + token * inner + (unsigned long long)blockIdx.y * WG_D + 2 * t;
-        if (t == 0) pk_store_lse(lse, token * num_heads + blockIdx.y, m_run[r], l);
+        const unsigned long long token = (unsigned long long)wk.batch * out_pitch + row;
+        unsigned short* dst = out + token * inner + (unsigned long long)wk.head * WG_D + 2 * t;
+        if (t == 0) pk_store_lse(lse, token * num_heads + wk.head, m_run[r], l);
         #pragma unroll
         for (int n = 0; n < WG_D / 8; n++) {
             pk_store2<WG_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
@@ -241,22 +296,37 @@ __device__ __forceinline__ void wg_consume(const wg_smem& m, unsigned short* __r
     }
 }
 
+/* The consumer warpgroups: each work tile in the producer's order; a tile whose batch has no keys gets
+   rows of 0 and LSE -inf (attention_io.cuh) and takes nothing from the ring. */
+__device__ __forceinline__ void wg_consume(const wg_smem& m, const wg_schedule& sched, unsigned short* __restrict__ out,
+                                           float* __restrict__ lse, unsigned int seq_q, unsigned int out_pitch,
+                                           float scale_log2)
+{
+    unsigned int first = 0, round = 0;
+    for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
+        const wg_work t = sched.at(w);
+        if (t.n_tiles == 0) {
+            pk_store_keyless_tile<WG_IN_KIND>(out, lse, t.q0, WG_BQ, t.head, t.batch, seq_q, sched.num_heads, WG_D,
+                                              out_pitch, threadIdx.x - 128, WG_THREADS - 128);
+            continue;
+        }
+        wg_attend(m, t, first, round, out, lse, sched.num_heads, seq_q, out_pitch, scale_log2);
+        first += t.n_tiles;
+        round++;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 joint_attention_wgmma(
     PK_MAP_OPERANDS(unsigned short),
     PK_MAP_SCALARS,
-    float scale_log2)
+    float scale_log2, unsigned int batch)
 {
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     const wg_smem m = wg_carve(wg_smem_raw);
-#if WG_KEY_LENS
-    if (pk_no_keys<WG_IN_KIND>(key_lens, seq_k, out, lse, WG_BQ, seq_q, num_heads, WG_D, out_pitch)) return;
-#endif
-    const unsigned int n_tiles = (seq_k + WG_BK - 1) / WG_BK;
-
-    m.run(
-        [&] {
-            wg_produce(m, &tm_q, &tm_k, &tm_v, (int)blockIdx.y, (int)blockIdx.z, (int)(blockIdx.x * WG_BQ), n_tiles);
-        },
-        [&] { wg_consume(m, out, lse, num_heads, seq_q, seq_k, out_pitch, scale_log2, n_tiles); });
+    const unsigned int q_blocks = (seq_q + WG_BQ - 1) / WG_BQ;
+    const wg_schedule sched = {q_blocks, num_heads, seq_k, q_blocks * num_heads * batch, key_lens};
+    if (threadIdx.x == 0) pk_bar_init(m.q_free(), PK_CONSUMER_WARPS);   /* run()'s init fences it */
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
+          [&] { wg_consume(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
 }

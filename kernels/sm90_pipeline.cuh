@@ -132,23 +132,26 @@ struct pk_ring {
     }
 
     /* The producer (one thread): for each key tile j, once its stage is free, copy_k(j, s) issues the
-       copies of K completing on k_full(s), then copy_v(j, s) V's on v_full(s). */
+       copies of K completing on k_full(s), then copy_v(j, s) V's on v_full(s). A persistent kernel keeps
+       one ring over its work tiles: `first` counts the key tiles it streamed before this work tile, and
+       tile j sits where the ring's tile first + j would. */
     template <typename CopyK, typename CopyV>
-    __device__ __forceinline__ void produce(unsigned int n_tiles, CopyK copy_k, CopyV copy_v) const
+    __device__ __forceinline__ void produce(unsigned int n_tiles, CopyK copy_k, CopyV copy_v,
+                                            unsigned int first = 0) const
     {
         for (unsigned int j = 0; j < n_tiles; j++) {
-            const unsigned int s = j % STAGES, parity = (j / STAGES - 1) & 1;
-            if (j >= STAGES) pk_bar_wait(k_free(s), parity);
+            const unsigned int c = first + j, s = c % STAGES, parity = (c / STAGES - 1) & 1;
+            if (c >= STAGES) pk_bar_wait(k_free(s), parity);
             copy_k(j, s);
-            if (j >= STAGES) pk_bar_wait(v_free(s), parity);
+            if (c >= STAGES) pk_bar_wait(v_free(s), parity);
             copy_v(j, s);
         }
     }
 
-    /* The consumers: wait for the Q tile, or for K or V of key tile j in its stage s = j % STAGES, to land;
-       free stage s's K or V (one arrival per warp) once read. Callers pass s, which they also address the
-       stage's tiles with. */
-    __device__ __forceinline__ void wait_q() const { pk_bar_wait(q_full(), 0); }
+    /* The consumers: wait for the Q tile (of work tile `round`, persistent kernels), or for K or V of the
+       ring's key tile j in its stage s = j % STAGES, to land; free stage s's K or V (one arrival per warp)
+       once read. Callers pass s, which they also address the stage's tiles with. */
+    __device__ __forceinline__ void wait_q(unsigned int round = 0) const { pk_bar_wait(q_full(), round & 1); }
     __device__ __forceinline__ void wait_k(unsigned int s, unsigned int j) const
     {
         pk_bar_wait(k_full(s), (j / STAGES) & 1);

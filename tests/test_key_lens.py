@@ -4,6 +4,8 @@ Batch b attends only its first `key_lens[b]` keys. Checked against float64 atten
 keys, per batch: on CPU (the reference path) always, and on every CUDA kernel where a GPU is present.
 Counts cover every key, one key, a count that is no multiple of any kernel's key tile, and none (rows
 of 0, LSE -inf, as torch's SDPA gives a row whose keys are all masked); out-of-range counts are clamped.
+The last case has more 128-row work tiles (360) than an H100 or H200 has SMs, so each block of a persistent
+kernel takes several, across batches with and without keys.
 CUDA outputs and LSE are poisoned with a finite sentinel before the launch, so a row left unwritten fails.
 """
 
@@ -20,8 +22,9 @@ CASES = [
     (3, 2, 37, 300, [300, 129, 1]),
     (4, 3, 200, 1000, [0, 1000, 77, 513]),
     (2, 1, 129, 131, [131 + 40, -3]),
+    (3, 40, 300, 700, [700, 0, 333]),
 ]
-CASE_IDS = ["partial", "none-full-partial", "clamped"]
+CASE_IDS = ["partial", "none-full-partial", "clamped", "more-work-tiles-than-SMs"]
 SENTINEL = 12345.0
 # kernel, input dtype, output max-abs bound against float64 on the rounded inputs, LSE bound.
 KERNELS = [

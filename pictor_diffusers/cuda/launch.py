@@ -31,7 +31,7 @@ _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 _SCALAR_TYPES = {
     "heads": _U32, "seq_q": _U32, "seq_k": _U32, "q_pitch": _U32, "kv_pitch": _U32, "out_pitch": _U32,
-    "head_dim": _U32, "scale": _F32, "scale_log2": _F32,
+    "head_dim": _U32, "scale": _F32, "scale_log2": _F32, "batch": _U32,
 }  # fmt: skip
 
 
@@ -98,6 +98,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
     scalars = {
         "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": kv_pitch,
         "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
+        "batch": batch,
     }  # fmt: skip
     device_index = out.device.index
     if spec.operands == "tensor_maps":
@@ -115,7 +116,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
         operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function, plan.split)
     return Launch(
         device_index,
-        variant.grid(batch, heads, q_count),
+        variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
         spec.threads,
         spec.shared_bytes(head_dim),
         _signature(spec),

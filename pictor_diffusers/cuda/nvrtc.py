@@ -161,6 +161,12 @@ def device_facts(device_index: int) -> tuple[tuple[int, int], int]:
     return (props.major, props.minor), props.shared_memory_per_block_optin
 
 
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    """The device's SM count (a persistent kernel's grid)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 _functions: dict[tuple[str, int], tuple[Any, int]] = {}
 _lock = threading.Lock()
 

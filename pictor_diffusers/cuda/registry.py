@@ -44,6 +44,7 @@ SCALARS = {
     "head_dim": "D",
     "scale": "the logit scale",
     "scale_log2": "the logit scale times log2(e)",
+    "batch": "B (a persistent kernel's work tiles)",
 }
 """The scalar kernel arguments a row may list, in its `scalars`."""
 MAP_SCALARS = ("heads", "seq_q", "seq_k", "out_pitch", "scale_log2")
@@ -81,6 +82,8 @@ class KernelSpec:
             the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row of
             the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
+        persistent: the grid is one block per SM (at most one per work tile), each looping over work tiles
+            of `rows_per_block` query rows of one head and batch; else one block per work tile.
         beats_sdpa_on: for the 16-bit family, the (compute capability, head_dim) pairs at which it was
             measured at least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA
             can serve.
@@ -108,6 +111,7 @@ class KernelSpec:
     scalars: tuple[str, ...] = ("heads", "seq_q", "seq_k", "q_pitch", "kv_pitch", "out_pitch", "scale_log2")
     exact_capability: tuple[int, int] | None = None
     arch_suffix: str = ""
+    persistent: bool = False
     beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
     def writes(self, in_dtype: str) -> tuple[str, ...]:
@@ -146,12 +150,13 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
         **{**_WARP_SPECIALISED, "head_dims": (64, 128)},
-        shared_bytes=lambda d: 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (1 + 4 * 3),
+        shared_bytes=lambda d: 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (2 + 4 * 3),
         prefix="WG_",
         geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
         kinds=("IN_KIND",),
         operands="tensor_maps",
-        scalars=MAP_SCALARS,
+        scalars=(*MAP_SCALARS, "batch"),
+        persistent=True,
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(
@@ -286,8 +291,12 @@ class Variant:
         """The exact NVRTC target for a device of `capability`."""
         return f"sm_{capability[0]}{capability[1]}{self.spec.arch_suffix}"
 
-    def grid(self, batch: int, heads: int, seq: int) -> tuple[int, int, int]:
-        return (-(-seq // self.spec.rows_per_block), heads, batch)
+    def grid(self, batch: int, heads: int, seq: int, multiprocessors: int) -> tuple[int, int, int]:
+        """The launch grid over `batch` x `heads` x `seq` query rows on a device of `multiprocessors` SMs."""
+        blocks = -(-seq // self.spec.rows_per_block)
+        if self.spec.persistent:
+            return (min(blocks * heads * batch, multiprocessors), 1, 1)
+        return (blocks, heads, batch)
 
 
 def variant_for(spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False) -> Variant:
