@@ -208,3 +208,17 @@ def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, ex
     counted = select_kernel(replace(problem(in_dtype, head_dim, device, out_dtype, aligned, lse=True), key_lens=True))
     assert not plain.variant.key_lens and counted.variant.key_lens
     assert replace(counted.variant, key_lens=False) == plain.variant and counted.upcast == plain.upcast
+
+
+@pytest.mark.parametrize(
+    ("name", "seq_q", "seq_k", "expected"),
+    [
+        ("wgmma", 32760, 512, (132, 1, 1)),  # short keys: one block per SM, each looping over 256 * 40 tiles
+        ("wgmma", 200, 1024, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
+        ("wgmma", 4097, 1025, (33 * 40, 1, 1)),  # longer keys: one block per work tile
+        ("mma16", 4097, 512, (33, 40, 1)),  # no work loop: the (query blocks, heads, batch) grid
+    ],
+)
+def test_grid_is_persistent_only_for_short_keys(name: str, seq_q: int, seq_k: int, expected: tuple) -> None:
+    variant = variants(BY_NAME[name])[0]
+    assert variant.grid(1, 40, seq_q, seq_k, multiprocessors=132) == expected
