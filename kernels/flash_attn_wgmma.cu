@@ -15,12 +15,10 @@
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then run
        tile j's softmax while the P.V product is still in flight, so the
        exponentials overlap the tensor cores.
-   Persistent where the host asks: each block loops over work tiles (128 query
-   rows of one head and batch), and the K/V ring runs on from one work tile to
-   the next, so the next tile's keys and its Q tile load while the last P.V and
-   the store of the current one run (Q is reloaded once both consumers' S
-   products are done). The host launches one block per SM for short key
-   sequences and one block per work tile (each loops once) otherwise.
+   Persistent: each block loops over work tiles (128 query rows of one head
+   and batch), and the K/V ring runs on from one work tile to the next, so the
+   next tile's keys and its Q tile load while the last P.V and the store of
+   the current one run (Q is reloaded once both consumers' S products are done).
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
    sm90_wgmma.cuh's; this file holds the tile copies, the schedule, the main
    loop and the store.
@@ -28,12 +26,11 @@
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
    against this kernel's own formulas; WG_STAGES is the one free choice):
-       grid  = (min(work tiles, SMs) or work tiles, 1, 1); work tiles =
-               ceil(seq_q / WG_BQ) x num_heads x batch, WG_BQ = 128 query
-               rows; block b takes tiles b, b + gridDim.x, ... (query block
-               fastest, then head)
+       grid  = (min(work tiles, SMs), 1, 1); work tiles = ceil(seq_q / WG_BQ)
+               x num_heads x batch, WG_BQ = 128 query rows; block b takes
+               tiles b, b + gridDim.x, ... (query block fastest, then head)
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers), one
-               block per SM at a time
+               block per SM
        dynamic shared memory = WG_SMEM_BYTES = 230,512 bytes at WG_D = 128 and
        WG_STAGES = 3 (224 KiB of tiles, 1 KiB of alignment slack, 112 bytes of
        mbarriers; 115,824 bytes at WG_D = 64):

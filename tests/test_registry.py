@@ -211,14 +211,13 @@ def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, ex
 
 
 @pytest.mark.parametrize(
-    ("name", "seq_q", "seq_k", "expected"),
+    ("name", "seq_q", "expected"),
     [
-        ("wgmma", 32760, 512, (132, 1, 1)),  # short keys: one block per SM, each looping over 256 * 40 tiles
-        ("wgmma", 200, 1024, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
-        ("wgmma", 4097, 1025, (33 * 40, 1, 1)),  # longer keys: one block per work tile
-        ("mma16", 4097, 512, (33, 40, 1)),  # no work loop: the (query blocks, heads, batch) grid
+        ("wgmma", 32760, (132, 1, 1)),  # one block per SM, each looping over 256 * 40 / 132 work tiles
+        ("wgmma", 200, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
+        ("mma16", 4097, (33, 40, 1)),  # no work loop: the (query blocks, heads, batch) grid
     ],
 )
-def test_grid_is_persistent_only_for_short_keys(name: str, seq_q: int, seq_k: int, expected: tuple) -> None:
+def test_persistent_grid(name: str, seq_q: int, expected: tuple) -> None:
     variant = variants(BY_NAME[name])[0]
-    assert variant.grid(1, 40, seq_q, seq_k, multiprocessors=132) == expected
+    assert variant.grid(1, 40, seq_q, multiprocessors=132) == expected

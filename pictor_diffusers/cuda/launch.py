@@ -116,7 +116,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
         operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function, plan.split)
     return Launch(
         device_index,
-        variant.grid(batch, heads, q_count, k_count, nvrtc.multiprocessors(device_index)),
+        variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
         spec.threads,
         spec.shared_bytes(head_dim),
         _signature(spec),

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from ..dtypes import HALF_DTYPES, KINDS
 
 MAX_HEAD_DIM = 384
-_MAX_GRID_X = 2**31 - 1
 F32_BUILD_HEAD_DIMS = (128, 256, 384)
 """The scalar kernel is built for the smallest of these >= head_dim (its register arrays)."""
 
@@ -83,11 +82,8 @@ class KernelSpec:
             the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row of
             the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
-        persistent_max_keys: a kernel whose blocks loop over work tiles (`rows_per_block` query rows of one
-            head and batch) runs one block per SM when the call attends at most this many keys: there a work
-            tile's start (its Q and first keys) and its store are a large share of its time, and the loop
-            overlaps them with the previous tile's; on longer keys one block per work tile (the hardware's
-            scheduling balances the SMs better). 0: one block per work tile always.
+        persistent: the grid is one block per SM (at most one per work tile), each looping over work tiles
+            of `rows_per_block` query rows of one head and batch; else one block per work tile.
         beats_sdpa_on: for the 16-bit family, the (compute capability, head_dim) pairs at which it was
             measured at least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA
             can serve.
@@ -115,7 +111,7 @@ class KernelSpec:
     scalars: tuple[str, ...] = ("heads", "seq_q", "seq_k", "q_pitch", "kv_pitch", "out_pitch", "scale_log2")
     exact_capability: tuple[int, int] | None = None
     arch_suffix: str = ""
-    persistent_max_keys: int = 0
+    persistent: bool = False
     beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
     def writes(self, in_dtype: str) -> tuple[str, ...]:
@@ -160,7 +156,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=(*MAP_SCALARS, "batch"),
-        persistent_max_keys=1024,
+        persistent=True,
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(
@@ -295,15 +291,12 @@ class Variant:
         """The exact NVRTC target for a device of `capability`."""
         return f"sm_{capability[0]}{capability[1]}{self.spec.arch_suffix}"
 
-    def grid(self, batch: int, heads: int, seq_q: int, seq_k: int, multiprocessors: int) -> tuple[int, int, int]:
-        """The launch grid over `batch` x `heads` x `seq_q` query rows attending `seq_k` keys, on a device of
-        `multiprocessors` SMs (see `KernelSpec.persistent_max_keys`)."""
-        blocks = -(-seq_q // self.spec.rows_per_block)
-        if not self.spec.persistent_max_keys:
-            return (blocks, heads, batch)
-        work = blocks * heads * batch
-        one_per_tile = seq_k > self.spec.persistent_max_keys and work <= _MAX_GRID_X
-        return (work if one_per_tile else min(work, multiprocessors), 1, 1)
+    def grid(self, batch: int, heads: int, seq: int, multiprocessors: int) -> tuple[int, int, int]:
+        """The launch grid over `batch` x `heads` x `seq` query rows on a device of `multiprocessors` SMs."""
+        blocks = -(-seq // self.spec.rows_per_block)
+        if self.spec.persistent:
+            return (min(blocks * heads * batch, multiprocessors), 1, 1)
+        return (blocks, heads, batch)
 
 
 def variant_for(spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False) -> Variant:
