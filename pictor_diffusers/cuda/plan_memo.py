@@ -4,8 +4,8 @@ A model calls attention with the same shapes, strides and dtypes at every layer 
 allocator hands the same addresses back step after step. `call_key` names a call by every fact its launch depends
 on (addresses, shapes, strides, dtypes and devices of q, k, v and the key counts; the scale, kernel and out
 dtype as passed);
-`remember` keeps the plan of a call once its launch is built, and `replay` returns it for a call with the same
-key, with a fresh output and the launch arguments already built. A replayed call skips validation (its facts
+`remember` keeps the plan of a call once its launch is built, and `launch_replay` runs it for a call with the
+same key, into a fresh output, the launch arguments already built. A replayed call skips validation (its facts
 passed it before), the kernel's resolution and the tensor-map encodes: it costs the key, one allocation and the
 launch.
 
@@ -63,17 +63,16 @@ def call_key(
     return (*call, *lens)
 
 
-def replay(
-    call: tuple[Any, ...], query: torch.Tensor | None = None, key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-) -> AttentionPlan | None:  # fmt: skip
-    """The remembered plan of `call` with a new output, or None; it carries these tensors (None: a caller that
-    only runs the plan, whose launch needs none of them)."""
+def launch_replay(call: tuple[Any, ...], shape: torch.Size | None = None) -> torch.Tensor | None:
+    """Launch the remembered plan of `call` into a new output and return it, or None when none is remembered.
+    The output is the entry's token-major `[B, Nq, H*D]`, or `shape` where given: the same elements, contiguous,
+    in another grouping (diffusers' backend asks for the query's `[B, Nq, H, D]`, which saves a view)."""
     entry = _memo.get(call)
     if entry is None:
         return None
-    written = torch.empty(entry.out_shape, dtype=entry.out_dtype, device=entry.device)
-    return entry.plan._replace(query=query, key=key, value=value, written=written)
+    out = torch.empty(entry.out_shape if shape is None else shape, dtype=entry.out_dtype, device=entry.device)
+    entry.plan.launch.run(out.data_ptr())
+    return out
 
 
 def remember(

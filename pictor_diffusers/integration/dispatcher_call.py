@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from ..cuda import plan_memo
-from ..cuda.launch import run
 from ..cuda.plan import NoKernelError, resolve
 from ..cuda.registry import BY_NAME, MAX_HEAD_DIM
 from ..ops.attention import attention, memo_key
@@ -240,9 +239,9 @@ def make_backend(
         fast = None
         if attn_mask is None and _parallel_config is None and not (return_lse or is_causal or dropout_p):
             fast = _replay_key(name, query, key, value, scale)
-            plan = None if fast is None else plan_memo.replay(fast)
-            if plan is not None:
-                return run(plan).view(query.shape)
+            replayed = None if fast is None else plan_memo.launch_replay(fast, query.shape)
+            if replayed is not None:
+                return replayed
         padding = None
         if attn_mask is not None:
             padding = padding_of(attn_mask, query.shape[0], query.shape[-2], key.shape[1])

@@ -145,9 +145,9 @@ def attention(
     """
     call = memo_key(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
     if call is not None:
-        plan = plan_memo.replay(call, query, key, value)
-        if plan is not None:
-            return run(plan)
+        replayed = plan_memo.launch_replay(call)
+        if replayed is not None:
+            return replayed
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
     out_dtype = query.dtype if out_dtype is None else out_dtype
