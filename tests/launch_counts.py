@@ -12,9 +12,9 @@ def count_launches(monkeypatch: pytest.MonkeyPatch, family: str) -> list[int]:
     calls = [0]
     original = launch.launch_attention
 
-    def counting(plan: launch.AttentionPlan) -> None:
+    def counting(plan: launch.AttentionPlan, written: object = None) -> None:
         calls[0] += plan.selection.variant.spec.family == family
-        original(plan)
+        original(plan, written)
 
     monkeypatch.setattr(launch, "launch_attention", counting)
     return calls

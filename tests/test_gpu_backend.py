@@ -83,9 +83,9 @@ def count_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     calls = {"fp32": 0, "16bit": 0}
     original = launch.launch_attention
 
-    def counting(plan: launch.AttentionPlan) -> None:
+    def counting(plan: launch.AttentionPlan, written: object = None) -> None:
         calls[plan.selection.variant.spec.family] += 1
-        original(plan)
+        original(plan, written)
 
     with monkeypatch.context() as patch:
         patch.setattr(launch, "launch_attention", counting)

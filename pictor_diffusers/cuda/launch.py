@@ -68,13 +68,14 @@ def _sdpa_attention(
     return out
 
 
-def launch_attention(plan: AttentionPlan) -> None:
+def launch_attention(plan: AttentionPlan, written: torch.Tensor | None = None) -> None:
     """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one and the
-    plan's q, k, v are not split already) into `plan.written`, for the rows of its window (and `key_lens` keys
-    of each batch, if given): its prepared `plan.launch` where it has one (`plan_memo`), with `plan.written`'s
-    address, else the launch `attention_launch` builds."""
+    plan's q, k, v are not split already) into `plan.written` (or `written`, a replayed plan's fresh output),
+    for the rows of its window (and `key_lens` keys of each batch, if given): its prepared `plan.launch` where
+    it has one (`plan_memo`), with the output's address, else the launch `attention_launch` builds. Every
+    attention kernel launch goes through here."""
     if plan.launch is not None:
-        plan.launch.run(plan.written.data_ptr())
+        plan.launch.run((plan.written if written is None else written).data_ptr())
         return
     launch = attention_launch(plan)
     runtime.launch(plan.function, launch.device_index, launch.grid, launch.threads, launch.shared_bytes,

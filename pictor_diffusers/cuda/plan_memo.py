@@ -24,9 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import runtime
+from . import launch, runtime
 from .geometry import OUT_OPERAND, full_window
-from .launch import attention_launch
 from .plan import AttentionPlan
 
 MEMO_SIZE = 512
@@ -71,7 +70,7 @@ def launch_replay(call: tuple[Any, ...], shape: torch.Size | None = None) -> tor
     if entry is None:
         return None
     out = torch.empty(entry.out_shape if shape is None else shape, dtype=entry.out_dtype, device=entry.device)
-    entry.plan.launch.run(out.data_ptr())
+    launch.launch_attention(entry.plan, out)
     return out
 
 
@@ -100,7 +99,7 @@ def remember(
     )
     if not qualifies:
         return plan
-    plan = plan._replace(launch=runtime.PreparedLaunch(plan.function, attention_launch(plan), OUT_OPERAND))
+    plan = plan._replace(launch=runtime.PreparedLaunch(plan.function, launch.attention_launch(plan), OUT_OPERAND))
     template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None)  # addresses: in the launch
     _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
     return plan
