@@ -26,8 +26,9 @@ from pictor_diffusers.testing.models import TINY_CONFIG, build_transformer, tran
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 CASES = [(1, 2, 77, 128), (2, 1, 45, 64), (1, 2, 130, 96), (1, 1, 70, 200), (1, 1, 33, 384), (1, 1, 1, 32)]
-CASES_16BIT = [(1, 2, 77, 128), (2, 3, 300, 128), (1, 2, 77, 64), (2, 70, 130, 128)]
-"""The last has 280 work tiles of 128 rows, more than the SMs: a persistent kernel's blocks take several."""
+CASES_16BIT = [(1, 2, 77, 128), (2, 3, 300, 128), (1, 2, 77, 64), (2, 70, 130, 128), (1, 2, 2100, 128)]
+"""(2, 70, 130, 128) has 280 work tiles of 128 rows, more than the SMs: a persistent build's blocks take several;
+(1, 2, 2100, 128) attends more than `registry.SHORT_KEYS` keys, which the non-persistent builds run."""
 F32_KERNELS = kernels_for("float32")[1:]
 HALF_KERNELS = kernels_for("bfloat16")[1:]
 EIGHT_BIT = eight_bit_kernels()

@@ -15,10 +15,13 @@
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then run
        tile j's softmax while the P.V product is still in flight, so the
        exponentials overlap the tensor cores.
-   Persistent: each block loops over work tiles (128 query rows of one head
-   and batch), and the K/V ring runs on from one work tile to the next, so the
-   next tile's keys and its Q tile load while the last P.V and the store of
-   the current one run (Q is reloaded once both consumers' S products are done).
+   Two builds. WG_PERSISTENT=1 (the host runs it on short key sequences):
+   each block loops over work tiles (128 query rows of one head and batch),
+   and the K/V ring runs on from one work tile to the next, so the next tile's
+   keys and its Q tile load while the last P.V and the store of the current
+   one run (Q is reloaded once both consumers' S products are done).
+   WG_PERSISTENT=0: one block per work tile, which the hardware schedules
+   (measured faster on long key sequences).
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
    sm90_wgmma.cuh's; this file holds the tile copies, the schedule, the main
    loop and the store.
@@ -26,11 +29,13 @@
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
    against this kernel's own formulas; WG_STAGES is the one free choice):
-       grid  = (min(work tiles, SMs), 1, 1); work tiles = ceil(seq_q / WG_BQ)
-               x num_heads x batch, WG_BQ = 128 query rows; block b takes
-               tiles b, b + gridDim.x, ... (query block fastest, then head)
+       grid  = WG_PERSISTENT=1: (min(work tiles, SMs), 1, 1), work tiles =
+               ceil(seq_q / WG_BQ) x num_heads x batch, WG_BQ = 128 query
+               rows; block b takes tiles b, b + gridDim.x, ... (query block
+               fastest, then head); WG_PERSISTENT=0: (ceil(seq_q / WG_BQ),
+               num_heads, batch), one work tile per block
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers), one
-               block per SM
+               block per SM at a time
        dynamic shared memory = WG_SMEM_BYTES = 230,512 bytes at WG_D = 128 and
        WG_STAGES = 3 (224 KiB of tiles, 1 KiB of alignment slack, 112 bytes of
        mbarriers; 115,824 bytes at WG_D = 64):
@@ -58,7 +63,7 @@
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
                  batch b attends its first key_lens[b] keys (attention_io.cuh)
-       batch   : the last argument, B (the work tiles' count)
+       batch   : the last argument, B (the persistent build's work tiles)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
    FlashAttention); the output is rounded once, to nearest even. WG_D is 64
@@ -73,8 +78,8 @@
     || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)
 #error "flash_attn_wgmma.cu needs -D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS, WG_SMEM_BYTES from the host"
 #endif
-#if !defined(WG_KEY_LENS)
-#error "flash_attn_wgmma.cu needs -D WG_KEY_LENS=0 or 1 from the host"
+#if !defined(WG_KEY_LENS) || !defined(WG_PERSISTENT)
+#error "flash_attn_wgmma.cu needs -D WG_KEY_LENS=0 or 1 and WG_PERSISTENT=0 or 1 from the host"
 #endif
 #if WG_D != 64 && WG_D != 128
 #error "the wgmma kernel is built for head_dim 64 or 128"
@@ -175,46 +180,65 @@ struct wg_work {
 };
 
 /* The launch's work tiles, numbered query block fastest, then head, then batch: the blocks running at once
-   share heads, so K and V come from L2. Block b takes tiles b, b + gridDim.x, ... */
+   share heads, so K and V come from L2. The persistent build's block b takes tiles b, b + gridDim.x, ...;
+   the other build's block takes its own, (blockIdx.x, blockIdx.y, blockIdx.z). */
 struct wg_schedule {
     unsigned int q_blocks, num_heads, seq_k, n_work;
     const int* key_lens;
 
-    __device__ wg_work at(unsigned int w) const
+    __device__ wg_work tile(unsigned int q_block, unsigned int head, unsigned int batch) const
     {
         wg_work t;
-        t.q0 = (w % q_blocks) * WG_BQ;
-        t.head = (w / q_blocks) % num_heads;
-        t.batch = w / q_blocks / num_heads;
-        t.seq_k = WG_KEY_LENS ? pk_keys_of(key_lens, t.batch, seq_k) : seq_k;
+        t.q0 = q_block * WG_BQ;
+        t.head = head;
+        t.batch = batch;
+        t.seq_k = WG_KEY_LENS ? pk_keys_of(key_lens, batch, seq_k) : seq_k;
         t.n_tiles = (t.seq_k + WG_BK - 1) / WG_BK;
         return t;
     }
+    __device__ wg_work at(unsigned int w) const
+    {
+        return tile(w % q_blocks, (w / q_blocks) % num_heads, w / q_blocks / num_heads);
+    }
+    __device__ wg_work own() const { return tile(blockIdx.x, blockIdx.y, blockIdx.z); }
 };
 
-/* The producer thread: per work tile with keys, the Q tile once the consumers freed the last one, then its
-   key tiles through the ring, which runs on across work tiles. */
+/* The producer's share of one work tile with keys: its Q tile (once the consumers freed the last one, in
+   the persistent build), then its key tiles through the ring from the ring's tile `first`. */
+__device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tensor_map* tm_q,
+                                                const pk_tensor_map* tm_k, const pk_tensor_map* tm_v,
+                                                const wg_work& t, unsigned int first, unsigned int round)
+{
+    if (WG_PERSISTENT && round > 0) pk_bar_wait(m.q_free(), (round - 1) & 1);
+    wg_copy_tile(m.q(), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full());
+    m.produce(
+        t.n_tiles,
+        [&](unsigned int j, unsigned int s) {
+            wg_copy_tile(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
+        },
+        [&](unsigned int j, unsigned int s) {
+            wg_copy_tile(m.v(s), tm_v, j * WG_BK, (int)t.head, (int)t.batch, m.v_full(s));
+        },
+        first);
+}
+
+/* The producer thread: each work tile with keys, the ring running on across them (persistent build). */
 __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
                                            const pk_tensor_map* tm_v, const wg_schedule& sched)
 {
+#if WG_PERSISTENT
     unsigned int first = 0, round = 0;
     for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
         const wg_work t = sched.at(w);
-        if (t.n_tiles == 0) continue;
-        if (round > 0) pk_bar_wait(m.q_free(), (round - 1) & 1);
-        wg_copy_tile(m.q(), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full());
-        m.produce(
-            t.n_tiles,
-            [&](unsigned int j, unsigned int s) {
-                wg_copy_tile(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
-            },
-            [&](unsigned int j, unsigned int s) {
-                wg_copy_tile(m.v(s), tm_v, j * WG_BK, (int)t.head, (int)t.batch, m.v_full(s));
-            },
-            first);
+        if (WG_KEY_LENS && t.n_tiles == 0) continue;
+        wg_produce_tile(m, tm_q, tm_k, tm_v, t, first, round);
         first += t.n_tiles;
         round++;
     }
+#else
+    const wg_work t = sched.own();
+    if (!WG_KEY_LENS || t.n_tiles != 0) wg_produce_tile(m, tm_q, tm_k, tm_v, t, 0, 0);
+#endif
 }
 
 /* One consumer warpgroup's 64 rows of work tile `wk`: its key tiles are the ring's first .. first +
@@ -269,7 +293,7 @@ __device__ __forceinline__ void wg_attend(const wg_smem& m, const wg_work& wk, u
         pk_rescale<WG_D / 8>(o, corr);
         wg_pack_p(p, s);
     }
-    pk_warp_arrive(m.q_free());                 /* every S product of this tile is done: Q may be reloaded */
+    if (WG_PERSISTENT) pk_warp_arrive(m.q_free());   /* every S product of this tile is done: Q may reload */
     const unsigned int last = first + n_tiles - 1;
     m.wait_v(last % WG_STAGES, last);
     pk_pin<WG_O_REGS>(o);
@@ -277,7 +301,7 @@ __device__ __forceinline__ void wg_attend(const wg_smem& m, const wg_work& wk, u
     wg_issue_pv(o, p, m.v(last % WG_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(o);
-    m.free_v(last % WG_STAGES);
+    if (WG_PERSISTENT) m.free_v(last % WG_STAGES);   /* the ring runs on into the next work tile */
 
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
@@ -298,22 +322,34 @@ __device__ __forceinline__ void wg_attend(const wg_smem& m, const wg_work& wk, u
 
 /* The consumer warpgroups: each work tile in the producer's order; a tile whose batch has no keys gets
    rows of 0 and LSE -inf (attention_io.cuh) and takes nothing from the ring. */
+__device__ __forceinline__ void wg_consume_tile(const wg_smem& m, const wg_work& t, unsigned int first,
+                                                unsigned int round, unsigned short* __restrict__ out,
+                                                float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
+                                                unsigned int out_pitch, float scale_log2)
+{
+    if (WG_KEY_LENS && t.n_tiles == 0) {   /* without key counts every tile has keys (seq_k >= 1) */
+        pk_store_keyless_tile<WG_IN_KIND>(out, lse, t.q0, WG_BQ, t.head, t.batch, seq_q, num_heads, WG_D, out_pitch,
+                                          threadIdx.x - 128, WG_THREADS - 128);
+    } else {
+        wg_attend(m, t, first, round, out, lse, num_heads, seq_q, out_pitch, scale_log2);
+    }
+}
+
 __device__ __forceinline__ void wg_consume(const wg_smem& m, const wg_schedule& sched, unsigned short* __restrict__ out,
                                            float* __restrict__ lse, unsigned int seq_q, unsigned int out_pitch,
                                            float scale_log2)
 {
+#if WG_PERSISTENT
     unsigned int first = 0, round = 0;
     for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
         const wg_work t = sched.at(w);
-        if (t.n_tiles == 0) {
-            pk_store_keyless_tile<WG_IN_KIND>(out, lse, t.q0, WG_BQ, t.head, t.batch, seq_q, sched.num_heads, WG_D,
-                                              out_pitch, threadIdx.x - 128, WG_THREADS - 128);
-            continue;
-        }
-        wg_attend(m, t, first, round, out, lse, sched.num_heads, seq_q, out_pitch, scale_log2);
+        wg_consume_tile(m, t, first, round, out, lse, sched.num_heads, seq_q, out_pitch, scale_log2);
         first += t.n_tiles;
-        round++;
+        round += t.n_tiles != 0;
     }
+#else
+    wg_consume_tile(m, sched.own(), 0, 0, out, lse, sched.num_heads, seq_q, out_pitch, scale_log2);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
@@ -326,7 +362,7 @@ joint_attention_wgmma(
     const wg_smem m = wg_carve(wg_smem_raw);
     const unsigned int q_blocks = (seq_q + WG_BQ - 1) / WG_BQ;
     const wg_schedule sched = {q_blocks, num_heads, seq_k, q_blocks * num_heads * batch, key_lens};
-    if (threadIdx.x == 0) pk_bar_init(m.q_free(), PK_CONSUMER_WARPS);   /* run()'s init fences it */
+    if (WG_PERSISTENT && threadIdx.x == 0) pk_bar_init(m.q_free(), PK_CONSUMER_WARPS);   /* run() fences it */
     m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
           [&] { wg_consume(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
 }

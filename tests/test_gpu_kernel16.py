@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pictor_diffusers import attention
 from pictor_diffusers.cuda.launch import run
 from pictor_diffusers.cuda.plan import cannot_run, plan_attention
-from pictor_diffusers.cuda.registry import BY_NAME
+from pictor_diffusers.cuda.registry import BY_NAME, SHORT_KEYS
 from pictor_diffusers.testing.references import attention_float64, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -213,6 +213,18 @@ def test_auto_picks_the_expected_kernel(shape: Shape, dtype: torch.dtype) -> Non
         direct = launch(expected, query, key, value)
     print(f"auto {_id(dtype)} {_id(shape)} -> {expected}")
     assert torch.equal(out, direct), f"kernel='auto' does not match a direct launch of {expected}"
+
+
+@pytest.mark.parametrize("seq_k", [SHORT_KEYS, SHORT_KEYS + 1])
+def test_short_key_sequences_run_the_persistent_build(seq_k: int) -> None:
+    """Cross-attention over at most SHORT_KEYS keys runs wgmma's persistent build, longer keys the other; both
+    within SDPA's error (3000 queries: 24 x 40 = 960 work tiles, more than the SMs)."""
+    query = qkv16((1, 40, 3000, 128), torch.bfloat16, seed=5)[0]
+    key, value = qkv16((1, 40, seq_k, 128), torch.bfloat16, seed=6)[1:]
+    blocker_or_skip("wgmma", query, key, value)
+    plan = plan_attention(query, key, value, 128**-0.5, "wgmma", query.dtype)
+    assert plan.selection.variant.persistent == (seq_k <= SHORT_KEYS)
+    assert_within_sdpa16(f"wgmma Nk={seq_k}", launch("wgmma", query, key, value), query, key, value)
 
 
 @pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))

@@ -211,13 +211,25 @@ def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, ex
 
 
 @pytest.mark.parametrize(
-    ("name", "seq_q", "expected"),
+    ("name", "persistent", "seq_q", "expected"),
     [
-        ("wgmma", 32760, (132, 1, 1)),  # one block per SM, each looping over 256 * 40 / 132 work tiles
-        ("wgmma", 200, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
-        ("mma16", 4097, (33, 40, 1)),  # no work loop: the (query blocks, heads, batch) grid
+        ("wgmma", True, 32760, (132, 1, 1)),  # one block per SM, each looping over 256 * 40 / 132 work tiles
+        ("wgmma", True, 200, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
+        ("wgmma", False, 4097, (33, 40, 1)),  # the other build: one block per (query block, head, batch)
+        ("mma16", False, 4097, (33, 40, 1)),
     ],
 )
-def test_persistent_grid(name: str, seq_q: int, expected: tuple) -> None:
-    variant = variants(BY_NAME[name])[0]
+def test_grid(name: str, persistent: bool, seq_q: int, expected: tuple) -> None:
+    variant = next(v for v in variants(BY_NAME[name]) if v.persistent == persistent)
     assert variant.grid(1, 40, seq_q, multiprocessors=132) == expected
+
+
+@pytest.mark.parametrize("key_lens", [False, True])
+@pytest.mark.parametrize("short_keys", [False, True])
+def test_short_key_sequences_select_the_persistent_build(short_keys: bool, key_lens: bool) -> None:
+    problem = Problem("bfloat16", "bfloat16", 128, (9, 0), 232448, key_lens=key_lens, short_keys=short_keys)
+    variant = select_kernel(problem, "wgmma").variant
+    assert (variant.persistent, variant.key_lens) == (short_keys, key_lens)
+    assert "-DWG_PERSISTENT=" + str(int(short_keys)) in variant.options()
+    mma16 = select_kernel(replace(problem, capability=(8, 0)), "mma16").variant
+    assert not mma16.persistent and not any("PERSISTENT" in option for option in mma16.options())

@@ -35,6 +35,7 @@ from .registry import (
     KERNEL_CHOICES,
     KERNELS,
     MAX_HEAD_DIM,
+    SHORT_KEYS,
     KernelSpec,
     Variant,
     family_of,
@@ -143,8 +144,17 @@ def plan_attention(
     q_at = query.data_ptr() + window.q_start * query.stride(2) * size
     k_at = key.data_ptr() + window.k_start * key.stride(2) * size
     aligned = not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
+    short_keys = window.k_stop - window.k_start <= SHORT_KEYS
     selection, function, prepass_function = resolve(
-        kernel, query.dtype, out_dtype, head_dim, query.device.index, aligned, key_lens is not None, lse is not None
+        kernel,
+        query.dtype,
+        out_dtype,
+        head_dim,
+        query.device.index,
+        aligned,
+        key_lens is not None,
+        lse is not None,
+        short_keys,
     )
     shape = (batch, seq_q, heads * head_dim)
     out = None if out is None else _checked_out(out, shape, out_dtype, query.device)
@@ -226,16 +236,26 @@ _disabled: dict[int, dict[str, str]] = {}
 _lock = threading.Lock()
 
 
-def resolve(kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int,
-            aligned: bool, key_lens: bool = False, lse: bool = False) -> Prepared:  # fmt: skip
+def resolve(
+    kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int, aligned: bool,
+    key_lens: bool = False, lse: bool = False, short_keys: bool = False,
+) -> Prepared:  # fmt: skip
     """The selection for these inputs on this device (`key_lens`: with per-batch key counts; `lse`: with
-    the log-sum-exp), its builds loaded, memoised."""
-    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse)
+    the log-sum-exp; `short_keys`: at most `registry.SHORT_KEYS` keys), its builds loaded, memoised."""
+    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse, short_keys)
     prepared = _resolved.get(key)
     if prepared is None:
         capability, shared_limit = nvrtc.device_facts(device_index)
         problem = Problem(
-            DTYPE_NAMES[in_dtype], DTYPE_NAMES[out_dtype], head_dim, capability, shared_limit, aligned, key_lens, lse
+            DTYPE_NAMES[in_dtype],
+            DTYPE_NAMES[out_dtype],
+            head_dim,
+            capability,
+            shared_limit,
+            aligned,
+            key_lens,
+            lse,
+            short_keys,
         )
         with _lock:
             prepared = _resolved[key] = _prepare(problem, kernel, device_index)
@@ -285,6 +305,7 @@ class Problem:
     `aligned`: q, k and v start on 16-byte boundaries (tensor cores read 16-byte vectors).
     `key_lens`: the call gives per-batch key counts (the kernels' key-count builds run it).
     `lse`: the call asks for the log-sum-exp (which torch's SDPA does not return).
+    `short_keys`: the call attends at most `registry.SHORT_KEYS` keys (a row's persistent build runs it).
     """
 
     in_dtype: str
@@ -295,6 +316,7 @@ class Problem:
     aligned: bool = True
     key_lens: bool = False
     lse: bool = False
+    short_keys: bool = False
 
 
 SDPA = "sdpa"
@@ -388,7 +410,7 @@ def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str,
         if reason is None:
             writes = spec.writes(in_dtype)
             out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
-            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens)
+            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens, problem.short_keys)
             return Selection(variant, upcast, tuple(rejected))
         rejected.append((spec.name + (" (upcast)" if upcast else ""), reason))
     reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from ..dtypes import HALF_DTYPES, KINDS
 
 MAX_HEAD_DIM = 384
+SHORT_KEYS = 2048
+"""A call attending at most this many keys (its window's) runs the persistent build of a row that has one
+(`KernelSpec.persistent`): there a work tile's start (its Q and first keys) and its store are a large share of
+its time, and the persistent loop overlaps them with the previous tile's."""
 F32_BUILD_HEAD_DIMS = (128, 256, 384)
 """The scalar kernel is built for the smallest of these >= head_dim (its register arrays)."""
 
@@ -82,8 +86,9 @@ class KernelSpec:
             the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row of
             the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
-        persistent: the grid is one block per SM (at most one per work tile), each looping over work tiles
-            of `rows_per_block` query rows of one head and batch; else one block per work tile.
+        persistent: the row also has a persistent build (`-D{prefix}PERSISTENT=1`, see `SHORT_KEYS`): one block
+            per SM (at most one per work tile), each looping over work tiles of `rows_per_block` query rows of
+            one head and batch; its other build (`PERSISTENT=0`) runs one block per work tile.
         beats_sdpa_on: for the 16-bit family, the (compute capability, head_dim) pairs at which it was
             measured at least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA
             can serve.
@@ -256,17 +261,19 @@ ATTENTION_FAMILIES = ("fp32", "16bit", "8bit")
 class Variant:
     """One compiled flavour of a row: the spec at one head_dim and in/out dtypes; for the attention rows,
     with or without per-batch key counts (`key_lens`: `-D{prefix}KEY_LENS=1`; without, the kernel's code
-    is what it was before key counts existed, and its key_lens argument is ignored)."""
+    is what it was before key counts existed, and its key_lens argument is ignored); for rows that have one,
+    the persistent build (`persistent`) or the other."""
 
     spec: KernelSpec
     head_dim: int
     in_dtype: str
     out_dtype: str
     key_lens: bool = False
+    persistent: bool = False
 
     @functools.cached_property
     def name(self) -> str:
-        suffix = "_keylens" if self.key_lens else ""
+        suffix = ("_keylens" if self.key_lens else "") + ("_persistent" if self.persistent else "")
         return f"{self.spec.name}_d{self.head_dim}_{self.in_dtype}_to_{self.out_dtype}{suffix}"
 
     def defines(self) -> tuple[tuple[str, str], ...]:
@@ -278,6 +285,8 @@ class Variant:
         values.update((kind, str(KINDS[dtypes[kind]])) for kind in spec.kinds)
         if spec.family in ATTENTION_FAMILIES:
             values["KEY_LENS"] = str(int(self.key_lens))
+        if spec.persistent:
+            values["PERSISTENT"] = str(int(self.persistent))
         if spec.smem_define:
             values["SMEM_BYTES"] = str(spec.shared_bytes(self.head_dim))
         values.update(spec.geometry)
@@ -294,21 +303,25 @@ class Variant:
     def grid(self, batch: int, heads: int, seq: int, multiprocessors: int) -> tuple[int, int, int]:
         """The launch grid over `batch` x `heads` x `seq` query rows on a device of `multiprocessors` SMs."""
         blocks = -(-seq // self.spec.rows_per_block)
-        if self.spec.persistent:
+        if self.persistent:
             return (min(blocks * heads * batch, multiprocessors), 1, 1)
         return (blocks, heads, batch)
 
 
-def variant_for(spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False) -> Variant:
-    """The build of `spec` that computes `head_dim` (the scalar kernel rounds it up)."""
+def variant_for(
+    spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False, short_keys: bool = False
+) -> Variant:
+    """The build of `spec` that computes `head_dim` (the scalar kernel rounds it up); `short_keys`: the call
+    attends at most `SHORT_KEYS` keys, which the row's persistent build runs where it has one."""
     if spec.name == "f32":
         head_dim = next(d for d in F32_BUILD_HEAD_DIMS if head_dim <= d)
-    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens)
+    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens, short_keys and spec.persistent)
 
 
 def variants(spec: KernelSpec) -> tuple[Variant, ...]:
     """Every build of an attention row: head_dims x input dtypes x output dtypes it writes x without and
-    with key counts."""
+    with key counts (x not persistent and persistent, for rows with a persistent build)."""
     head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
     builds = [(d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i)]
-    return tuple(Variant(spec, *build, key_lens) for key_lens in (False, True) for build in builds)
+    flavours = [(k, p) for p in ((False, True) if spec.persistent else (False,)) for k in (False, True)]
+    return tuple(Variant(spec, *build, key_lens, persistent) for key_lens, persistent in flavours for build in builds)
