@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from pictor_diffusers.cuda.plan import SDPA, NoKernelError, Problem, blocker, select_kernel
 from pictor_diffusers.cuda.registry import BY_NAME, KERNEL_CHOICES, KERNELS, kernels_for, variants
+from pictor_diffusers.cuda.selection import SDPA, NoKernelError, Problem, blocker, select_kernel
 
 H200 = ((9, 0), 232448)
 A100 = ((8, 0), 166912)

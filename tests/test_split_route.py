@@ -22,7 +22,8 @@ from kv_helpers import kv_steps
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.cuda import nvrtc, plan
 from pictor_diffusers.cuda.geometry import SplitPlanes
-from pictor_diffusers.cuda.plan import NoKernelError, Problem, select_kernel, selects_split_planes
+from pictor_diffusers.cuda.plan import selects_split_planes
+from pictor_diffusers.cuda.selection import NoKernelError, Problem, select_kernel
 from pictor_diffusers.ops import prologue, split_route
 from pictor_diffusers.ops.prologue import RmsParams, Segment
 from pictor_diffusers.ops.split_reference import joined_twin, split_twin

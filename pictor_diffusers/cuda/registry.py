@@ -4,7 +4,7 @@ rows in `pass_rows.py`, whose `prepass_for` names the prepass build a row's oper
 A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute capability), how it is built
 (source, `-D` geometry, arch) and how it is launched (threads, rows per block, shared memory, operand and
 scalar lists).
-`plan.select_kernel` chooses among the rows from plain facts. Adding a kernel means adding a row here and
+`selection.select_kernel` chooses among the rows from plain facts. Adding a kernel means adding a row here and
 its `.cu` file in `kernels/`; `launch.py` runs any row. Everything here is a table or a pure lookup.
 
 Geometry lives here only: the host passes it to the kernels as `-D` options, the kernels `#error` on a

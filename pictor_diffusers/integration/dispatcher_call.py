@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from ..cuda import plan_memo
-from ..cuda.plan import NoKernelError, resolve
+from ..cuda.plan import resolve
 from ..cuda.registry import BY_NAME, MAX_HEAD_DIM
+from ..cuda.selection import NoKernelError
 from ..ops.attention import attention, memo_key
 from ..ops.custom_ops import no_backward
 from ..ops.validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale

@@ -137,7 +137,7 @@ def attention(
     16-bit inputs on tensor cores with f32 accumulation and an f32 softmax,
     rounds the probabilities to the input dtype for P.V as FlashAttention
     does, and rounds the output once. On CUDA "auto" takes the first kernel of
-    the family that can run the inputs (`cuda.plan.select_kernel`); 16-bit
+    the family that can run the inputs (`cuda.selection.select_kernel`); 16-bit
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
     (`pictor_diffusers.ops.reference`); "fp8" runs its quantised twin
