@@ -115,6 +115,22 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
     assert not spills(resources), f"{variant.name} on {arch} spills or uses a stack frame: {resources}"
 
 
+HOPPER_BUILDS = [(v, arch) for v, arch in BUILDS if arch.endswith("a")]
+
+
+@needs_cupy
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (the CUDA toolkit) for its wgmma report")
+@pytest.mark.parametrize(("variant", "arch"), HOPPER_BUILDS, ids=[f"{v.name}-{a}" for v, a in HOPPER_BUILDS])
+def test_wgmma_products_stay_asynchronous(variant: Variant, arch: str, tmp_path: Path) -> None:
+    """ptxas serialises every wgmma of a kernel (info C7514 and its kin) when other code touches an accumulator
+    between a product's issue and its wait; the kernel then runs, correct and far slower. No build may."""
+    report = ptxas_report(ptx_for(variant, arch), arch, tmp_path)
+    if report is None:
+        pytest.skip("this ptxas is older than the PTX")
+    serialised = [line for line in report.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+    assert not serialised, f"{variant.name}: {serialised[0]}"
+
+
 @needs_cupy
 def test_defines_reach_nvrtc() -> None:
     """Every variant of a source compiles to different code: its -D options are used."""
