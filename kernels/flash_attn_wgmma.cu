@@ -73,6 +73,7 @@
 #include "sm90_pipeline.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"
+#include "tile_schedule.cuh"
 
 #if !defined(WG_D) || !defined(WG_IN_KIND) || !defined(WG_BQ) || !defined(WG_BK) || !defined(WG_STAGES) \
     || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)
@@ -92,14 +93,15 @@
 #define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
 #define WG_TILE_BYTES (WG_SLABS * WG_SLAB_BYTES)    /* 128 rows x WG_D columns */
 #define WG_O_REGS (WG_D / 2)                 /* a consumer thread's output accumulators */
-#define WG_BARRIER_BYTES (8 * (2 + 4 * WG_STAGES))   /* the ring's, then q_free */
+#define WG_Q_BUFS (1 + WG_PERSISTENT)        /* Q tiles: the persistent build loads the next work tile's early */
+#define WG_BARRIER_BYTES (8 * (4 + 4 * WG_STAGES))   /* the ring's, q_full of Q tile 1, q_free of both */
 static_assert(WG_BQ == 128 && WG_BK == 128,
               "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
 static_assert(WG_THREADS == PK_THREADS,
               "WG_THREADS must be 384: one producer and two consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
-static_assert(WG_SMEM_BYTES == 1024 + (1 + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES,
-              "WG_SMEM_BYTES disagrees with the kernel's Q | K stages | V stages | mbarriers");
+static_assert(WG_SMEM_BYTES == 1024 + (WG_Q_BUFS + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES,
+              "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K stages | V stages | mbarriers");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
 /* Every slab of a 128 x WG_D tile, completing on `bar`. */
@@ -153,64 +155,45 @@ __device__ __forceinline__ void wg_pack_p(unsigned int* p, const float* s)
 
 /* ---- roles ---- */
 
-/* Shared-memory map: Q tile, K tiles, V tiles (1024-byte aligned for the
-   swizzle), then the ring's mbarriers q_full, k_full[], v_full[], k_free[], v_free[] and
-   q_free (the consumers are done with the Q tile). Stage addresses are computed, not
-   indexed, so nothing lands in local memory. */
+/* Shared-memory map: WG_Q_BUFS Q tiles, K tiles, V tiles (1024-byte aligned for the swizzle), then the
+   ring's mbarriers (q_full is Q tile 0's), Q tile 1's full mbarrier and both Q tiles' free ones (the
+   consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS, in that tile's
+   phase round / WG_Q_BUFS. Addresses are computed, not indexed, so nothing lands in local memory. */
 struct wg_smem : pk_ring<WG_STAGES> {
     unsigned int base;
-    __device__ unsigned int q() const { return base; }
-    __device__ unsigned int k(unsigned int s) const { return base + (1 + s) * WG_TILE_BYTES; }
-    __device__ unsigned int v(unsigned int s) const { return base + (1 + WG_STAGES + s) * WG_TILE_BYTES; }
-    __device__ unsigned int q_free() const { return bars + 8 * (1 + 4 * WG_STAGES); }
+    __device__ unsigned int q(unsigned int round) const { return base + (round % WG_Q_BUFS) * WG_TILE_BYTES; }
+    __device__ unsigned int k(unsigned int s) const { return base + (WG_Q_BUFS + s) * WG_TILE_BYTES; }
+    __device__ unsigned int v(unsigned int s) const { return base + (WG_Q_BUFS + WG_STAGES + s) * WG_TILE_BYTES; }
+    __device__ unsigned int q_full_of(unsigned int round) const
+    {
+        return round % WG_Q_BUFS ? bars + 8 * (1 + 4 * WG_STAGES) : q_full();
+    }
+    __device__ unsigned int q_free(unsigned int round) const
+    {
+        return bars + 8 * (2 + 4 * WG_STAGES + round % WG_Q_BUFS);
+    }
+    __device__ void wait_q_of(unsigned int round) const { pk_bar_wait(q_full_of(round), (round / WG_Q_BUFS) & 1); }
 };
 
 __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 {
     wg_smem m;
     m.base = pk_smem_base(raw);
-    m.bars = m.base + (1 + 2 * WG_STAGES) * WG_TILE_BYTES;
+    m.bars = m.base + (WG_Q_BUFS + 2 * WG_STAGES) * WG_TILE_BYTES;
     return m;
 }
 
-/* One work tile: WG_BQ query rows from q0 of head `head` in batch `batch`, over that batch's seq_k keys
-   (n_tiles key tiles; 0 when the batch has none). */
-struct wg_work {
-    unsigned int q0, head, batch, seq_k, n_tiles;
-};
+typedef pk_tile_schedule<WG_BQ, WG_BK, WG_KEY_LENS> wg_schedule;
 
-/* The launch's work tiles, numbered query block fastest, then head, then batch: the blocks running at once
-   share heads, so K and V come from L2. The persistent build's block b takes tiles b, b + gridDim.x, ...;
-   the other build's block takes its own, (blockIdx.x, blockIdx.y, blockIdx.z). */
-struct wg_schedule {
-    unsigned int q_blocks, num_heads, seq_k, n_work;
-    const int* key_lens;
-
-    __device__ wg_work tile(unsigned int q_block, unsigned int head, unsigned int batch) const
-    {
-        wg_work t;
-        t.q0 = q_block * WG_BQ;
-        t.head = head;
-        t.batch = batch;
-        t.seq_k = WG_KEY_LENS ? pk_keys_of(key_lens, batch, seq_k) : seq_k;
-        t.n_tiles = (t.seq_k + WG_BK - 1) / WG_BK;
-        return t;
-    }
-    __device__ wg_work at(unsigned int w) const
-    {
-        return tile(w % q_blocks, (w / q_blocks) % num_heads, w / q_blocks / num_heads);
-    }
-    __device__ wg_work own() const { return tile(blockIdx.x, blockIdx.y, blockIdx.z); }
-};
-
-/* The producer's share of one work tile with keys: its Q tile (once the consumers freed the last one, in
-   the persistent build), then its key tiles through the ring from the ring's tile `first`. */
+/* The producer's share of one work tile with keys: its Q tile (once the consumers freed that Q tile's
+   previous work tile, in the persistent build), then its key tiles through the ring from the ring's tile
+   `first`. */
 __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tensor_map* tm_q,
                                                 const pk_tensor_map* tm_k, const pk_tensor_map* tm_v,
-                                                const wg_work& t, unsigned int first, unsigned int round)
+                                                const pk_work& t, unsigned int first, unsigned int round)
 {
-    if (WG_PERSISTENT && round > 0) pk_bar_wait(m.q_free(), (round - 1) & 1);
-    wg_copy_tile(m.q(), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full());
+    if (WG_PERSISTENT && round >= WG_Q_BUFS) pk_bar_wait(m.q_free(round), (round / WG_Q_BUFS - 1) & 1);
+    wg_copy_tile(m.q(round), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full_of(round));
     m.produce(
         t.n_tiles,
         [&](unsigned int j, unsigned int s) {
@@ -229,127 +212,210 @@ __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map
 #if WG_PERSISTENT
     unsigned int first = 0, round = 0;
     for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
-        const wg_work t = sched.at(w);
-        if (WG_KEY_LENS && t.n_tiles == 0) continue;
+        const pk_work t = sched.at(w);
+        if (!sched.has_keys(t)) continue;
         wg_produce_tile(m, tm_q, tm_k, tm_v, t, first, round);
         first += t.n_tiles;
         round++;
     }
 #else
-    const wg_work t = sched.own();
-    if (!WG_KEY_LENS || t.n_tiles != 0) wg_produce_tile(m, tm_q, tm_k, tm_v, t, 0, 0);
+    const pk_work t = sched.own();
+    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, t, 0, 0);
 #endif
 }
 
-/* One consumer warpgroup's 64 rows of work tile `wk`: its key tiles are the ring's first .. first +
-   n_tiles - 1, its Q tile the ring's round `round`. */
-__device__ __forceinline__ void wg_attend(const wg_smem& m, const wg_work& wk, unsigned int first, unsigned int round,
-                                          unsigned short* __restrict__ out, float* __restrict__ lse,
-                                          unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch,
-                                          float scale_log2)
-{
-    const unsigned int rows0 = (threadIdx.x / 128 - 1) * 64;   /* this warpgroup's first row in the tile */
-    const unsigned int warp = (threadIdx.x / 32) & 3u;
-    const unsigned int g = (threadIdx.x & 31u) >> 2;
-    const unsigned int t = threadIdx.x & 3u;
-    const unsigned int q_rows = m.q() + rows0 * 128;               /* 128-byte rows in each slab */
-    const unsigned int seq_k = wk.seq_k, n_tiles = wk.n_tiles;
-
-    float o[WG_O_REGS], s[64], corr[2];
+/* A consumer warpgroup's part of a work tile in flight: its 64 rows' output accumulators (o), the scores
+   or probabilities of the latest key tile (s, and p: P packed for the next P.V), and the running softmax
+   (two rows per thread). */
+struct wg_acc {
+    float o[WG_O_REGS], s[64];
     unsigned int p[32];
-    float m_run[2] = {PK_NEG_INF, PK_NEG_INF};
-    float l_run[2] = {0.f, 0.f};
-    #pragma unroll
-    for (int i = 0; i < WG_O_REGS; i++) o[i] = 0.f;
+    float m_run[2], l_run[2];
+};
 
-    m.wait_q(round);
-    m.wait_k(first % WG_STAGES, first);
+__device__ __forceinline__ unsigned int wg_rows0() { return (threadIdx.x / 128 - 1) * 64; }
+
+/* Key tile 0's S of work tile `wk` (the ring's tile `first`), computed and folded into a fresh softmax
+   state (m_run, l_run); WITH_PV: the previous work tile's last P.V (V of the ring's tile first - 1) runs
+   alongside it, into a.o, and the softmax overlaps that product. */
+template <bool WITH_PV>
+__device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float* m_run, float* l_run,
+                                              const pk_work& wk, unsigned int first, unsigned int round,
+                                              float scale_log2)
+{
+    const unsigned int st = first % WG_STAGES, prev = (first - 1) % WG_STAGES;
+    float corr[2];
+    m.wait_q_of(round);
+    m.wait_k(st, first);
+    if (WITH_PV) m.wait_v(prev, first - 1);
+    pk_pin<64>(a.s);
+    if (WITH_PV) pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    wg_issue_qk(s, q_rows, m.k(first % WG_STAGES));
-    pk_wgmma_wait<0>();
-    pk_pin<64>(s);
-    m.free_k(first % WG_STAGES);
-    pk_mask_tail<WG_BK / 8>(s, 0, seq_k, t);
-    pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
-    wg_pack_p(p, s);
+    wg_issue_qk(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
+    if (WITH_PV) {
+        wg_issue_pv(a.o, a.p, m.v(prev));
+        pk_wgmma_wait<1>();
+    } else {
+        pk_wgmma_wait<0>();
+    }
+    pk_pin<64>(a.s);
+    m.free_k(st);
+    m_run[0] = m_run[1] = PK_NEG_INF;
+    l_run[0] = l_run[1] = 0.f;
+    pk_mask_tail<WG_BK / 8>(a.s, 0, wk.seq_k, threadIdx.x & 3u);
+    pk_online_softmax<WG_BK / 8, 1, true>(a.s, m_run, l_run, corr, scale_log2);
+    if (WITH_PV) {
+        pk_wgmma_wait<0>();
+        pk_pin<WG_O_REGS>(a.o);
+        m.free_v(prev);
+    }
+}
 
-    for (unsigned int j = 1; j < n_tiles; j++) {
+/* Key tiles 1 .. n_tiles - 1 of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax
+   while the P.V product is in flight. */
+__device__ __forceinline__ void wg_key_loop(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
+                                            unsigned int round, float scale_log2)
+{
+    const unsigned int q_rows = m.q(round) + wg_rows0() * 128;
+    float corr[2];
+    for (unsigned int j = 1; j < wk.n_tiles; j++) {
         const unsigned int c = first + j, st = c % WG_STAGES, prev = (c - 1) % WG_STAGES;
         m.wait_k(st, c);
         m.wait_v(prev, c - 1);
-        pk_pin<64>(s);
-        pk_pin<WG_O_REGS>(o);
+        pk_pin<64>(a.s);
+        pk_pin<WG_O_REGS>(a.o);
         pk_wgmma_fence();
-        wg_issue_qk(s, q_rows, m.k(st));
-        wg_issue_pv(o, p, m.v(prev));
+        wg_issue_qk(a.s, q_rows, m.k(st));
+        wg_issue_pv(a.o, a.p, m.v(prev));
         pk_wgmma_wait<1>();
-        pk_pin<64>(s);
+        pk_pin<64>(a.s);
         m.free_k(st);
-        pk_mask_tail<WG_BK / 8>(s, j * WG_BK, seq_k, t);
-        pk_online_softmax<WG_BK / 8, 1, true>(s, m_run, l_run, corr, scale_log2);
+        pk_mask_tail<WG_BK / 8>(a.s, j * WG_BK, wk.seq_k, threadIdx.x & 3u);
+        pk_online_softmax<WG_BK / 8, 1, true>(a.s, a.m_run, a.l_run, corr, scale_log2);
         pk_wgmma_wait<0>();
-        pk_pin<WG_O_REGS>(o);
+        pk_pin<WG_O_REGS>(a.o);
         m.free_v(prev);
-        pk_rescale<WG_D / 8>(o, corr);
-        wg_pack_p(p, s);
+        pk_rescale<WG_D / 8>(a.o, corr);
+        wg_pack_p(a.p, a.s);
     }
-    if (WG_PERSISTENT) pk_warp_arrive(m.q_free());   /* every S product of this tile is done: Q may reload */
-    const unsigned int last = first + n_tiles - 1;
-    m.wait_v(last % WG_STAGES, last);
-    pk_pin<WG_O_REGS>(o);
-    pk_wgmma_fence();
-    wg_issue_pv(o, p, m.v(last % WG_STAGES));
-    pk_wgmma_wait<0>();
-    pk_pin<WG_O_REGS>(o);
-    if (WG_PERSISTENT) m.free_v(last % WG_STAGES);   /* the ring runs on into the next work tile */
+}
 
+/* The work tile's rows: O / l rounded to the input dtype (token-major), and the LSE. */
+__device__ __forceinline__ void wg_store_rows(const wg_acc& a, const pk_work& wk, unsigned short* __restrict__ out,
+                                              float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
+                                              unsigned int out_pitch)
+{
+    const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2, t = threadIdx.x & 3u;
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float l = pk_quad_sum(l_run[r]);
-        const unsigned int row = wk.q0 + rows0 + warp * 16 + g + 8 * r;
+        const float l = pk_quad_sum(a.l_run[r]);
+        const unsigned int row = wk.q0 + wg_rows0() + warp * 16 + g + 8 * r;
         if (row >= seq_q) continue;
         const float inv = 1.f / l;
         const unsigned long long token = (unsigned long long)wk.batch * out_pitch + row;
         unsigned short* dst = out + token * inner + (unsigned long long)wk.head * WG_D + 2 * t;
-        if (t == 0) pk_store_lse(lse, token * num_heads + wk.head, m_run[r], l);
+        if (t == 0) pk_store_lse(lse, token * num_heads + wk.head, a.m_run[r], l);
         #pragma unroll
         for (int n = 0; n < WG_D / 8; n++) {
-            pk_store2<WG_IN_KIND>(dst + 8 * n, o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+            pk_store2<WG_IN_KIND>(dst + 8 * n, a.o[4 * n + 2 * r] * inv, a.o[4 * n + 2 * r + 1] * inv);
         }
     }
 }
 
-/* The consumer warpgroups: each work tile in the producer's order; a tile whose batch has no keys gets
-   rows of 0 and LSE -inf (attention_io.cuh) and takes nothing from the ring. */
-__device__ __forceinline__ void wg_consume_tile(const wg_smem& m, const wg_work& t, unsigned int first,
-                                                unsigned int round, unsigned short* __restrict__ out,
-                                                float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
-                                                unsigned int out_pitch, float scale_log2)
+__device__ __forceinline__ void wg_zero_o(wg_acc& a)
 {
-    if (WG_KEY_LENS && t.n_tiles == 0) {   /* without key counts every tile has keys (seq_k >= 1) */
-        pk_store_keyless_tile<WG_IN_KIND>(out, lse, t.q0, WG_BQ, t.head, t.batch, seq_q, num_heads, WG_D, out_pitch,
-                                          threadIdx.x - 128, WG_THREADS - 128);
-    } else {
-        wg_attend(m, t, first, round, out, lse, num_heads, seq_q, out_pitch, scale_log2);
-    }
+    #pragma unroll
+    for (int i = 0; i < WG_O_REGS; i++) a.o[i] = 0.f;
 }
 
-__device__ __forceinline__ void wg_consume(const wg_smem& m, const wg_schedule& sched, unsigned short* __restrict__ out,
-                                           float* __restrict__ lse, unsigned int seq_q, unsigned int out_pitch,
-                                           float scale_log2)
+/* The last P.V of a work tile whose last key tile is the ring's tile `last`, then its store. */
+__device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int last,
+                                          unsigned short* __restrict__ out, float* __restrict__ lse,
+                                          unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
 {
-#if WG_PERSISTENT
-    unsigned int first = 0, round = 0;
-    for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
-        const wg_work t = sched.at(w);
-        wg_consume_tile(m, t, first, round, out, lse, sched.num_heads, seq_q, out_pitch, scale_log2);
-        first += t.n_tiles;
-        round += t.n_tiles != 0;
+    m.wait_v(last % WG_STAGES, last);
+    pk_pin<WG_O_REGS>(a.o);
+    pk_wgmma_fence();
+    wg_issue_pv(a.o, a.p, m.v(last % WG_STAGES));
+    pk_wgmma_wait<0>();
+    pk_pin<WG_O_REGS>(a.o);
+    wg_store_rows(a, wk, out, lse, num_heads, seq_q, out_pitch);
+}
+
+/* A work tile whose batch has no keys: rows of 0 and LSE -inf (attention_io.cuh); nothing from the ring. */
+__device__ __forceinline__ void wg_store_keyless(const pk_work& t, unsigned short* __restrict__ out,
+                                                 float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
+                                                 unsigned int out_pitch)
+{
+    pk_store_keyless_tile<WG_IN_KIND>(out, lse, t.q0, WG_BQ, t.head, t.batch, seq_q, num_heads, WG_D, out_pitch,
+                                      threadIdx.x - 128, WG_THREADS - 128);
+}
+
+#define WG_OUT_ARGS out, lse, sched.num_heads, seq_q, out_pitch
+
+/* The consumer warpgroups, persistent build: the work tiles in the producer's order. Between two tiles
+   with keys, the next one's first S runs alongside the last P.V of the one before, whose store follows. */
+__device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched,
+                                                      unsigned short* __restrict__ out, float* __restrict__ lse,
+                                                      unsigned int seq_q, unsigned int out_pitch, float scale_log2)
+{
+    wg_acc a;
+    pk_work held;   /* the work tile whose last P.V is pending */
+    unsigned int w = blockIdx.x;
+    for (;; w += gridDim.x) {
+        if (w >= sched.n_work) return;
+        held = sched.at(w);
+        if (sched.has_keys(held)) break;
+        wg_store_keyless(held, WG_OUT_ARGS);
     }
-#else
-    wg_consume_tile(m, sched.own(), 0, 0, out, lse, sched.num_heads, seq_q, out_pitch, scale_log2);
-#endif
+    wg_zero_o(a);
+    wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
+    wg_pack_p(a.p, a.s);
+    wg_key_loop(m, a, held, 0, 0, scale_log2);
+    pk_warp_arrive(m.q_free(0));
+    unsigned int first = held.n_tiles, round = 1;
+    for (w += gridDim.x; w < sched.n_work; w += gridDim.x) {
+        const pk_work t = sched.at(w);
+        if (!sched.has_keys(t)) {
+            wg_store_keyless(t, WG_OUT_ARGS);
+            continue;
+        }
+        float m_run[2], l_run[2];
+        wg_first_keys<true>(m, a, m_run, l_run, t, first, round, scale_log2);
+        wg_pack_p(a.p, a.s);
+        wg_store_rows(a, held, WG_OUT_ARGS);   /* with the held tile's softmax state */
+        wg_zero_o(a);
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            a.m_run[r] = m_run[r];
+            a.l_run[r] = l_run[r];
+        }
+        wg_key_loop(m, a, t, first, round, scale_log2);
+        pk_warp_arrive(m.q_free(round));
+        held = t;
+        first += t.n_tiles;
+        round++;
+    }
+    wg_finish(m, a, held, first - 1, WG_OUT_ARGS);
+}
+
+/* The consumer warpgroups, one block per work tile. */
+__device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedule& sched,
+                                               unsigned short* __restrict__ out, float* __restrict__ lse,
+                                               unsigned int seq_q, unsigned int out_pitch, float scale_log2)
+{
+    const pk_work t = sched.own();
+    if (!sched.has_keys(t)) {
+        wg_store_keyless(t, WG_OUT_ARGS);
+        return;
+    }
+    wg_acc a;
+    wg_zero_o(a);
+    wg_first_keys<false>(m, a, a.m_run, a.l_run, t, 0, 0, scale_log2);
+    wg_pack_p(a.p, a.s);
+    wg_key_loop(m, a, t, 0, 0, scale_log2);
+    wg_finish(m, a, t, t.n_tiles - 1, WG_OUT_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
@@ -360,9 +426,17 @@ joint_attention_wgmma(
 {
     extern __shared__ __align__(1024) unsigned char wg_smem_raw[];
     const wg_smem m = wg_carve(wg_smem_raw);
-    const unsigned int q_blocks = (seq_q + WG_BQ - 1) / WG_BQ;
-    const wg_schedule sched = {q_blocks, num_heads, seq_k, q_blocks * num_heads * batch, key_lens};
-    if (WG_PERSISTENT && threadIdx.x == 0) pk_bar_init(m.q_free(), PK_CONSUMER_WARPS);   /* run() fences it */
+    const wg_schedule sched = wg_schedule::of(seq_q, num_heads, seq_k, batch, key_lens);
+    if (WG_PERSISTENT && threadIdx.x == 0) {   /* run() fences them */
+        pk_bar_init(m.q_full_of(1), 1);
+        pk_bar_init(m.q_free(0), PK_CONSUMER_WARPS);
+        pk_bar_init(m.q_free(1), PK_CONSUMER_WARPS);
+    }
+#if WG_PERSISTENT
     m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
-          [&] { wg_consume(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
+          [&] { wg_consume_persistent(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
+#else
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
+          [&] { wg_consume_own(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
+#endif
 }

@@ -183,7 +183,10 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
         assert defines[prefix + "THREADS"].rstrip("u") == str(spec.threads)
         assert defines[prefix + "BQ"].rstrip("u") == str(spec.rows_per_block)
         if spec.smem_define:
-            assert int(defines[prefix + "SMEM_BYTES"]) == spec.shared_bytes(variant.head_dim)
+            assert int(defines[prefix + "SMEM_BYTES"]) == variant.shared_bytes
+        persistent_bytes = spec.persistent_shared_bytes
+        expected_bytes = persistent_bytes if variant.persistent and persistent_bytes else spec.shared_bytes
+        assert variant.shared_bytes == expected_bytes(variant.head_dim)
         assert len(set(variant.options())) == len(variant.options())
         assert defines[prefix + "KEY_LENS"] == str(int(variant.key_lens))
     assert {v.key_lens for v in variants(spec)} == {False, True}
@@ -231,5 +234,7 @@ def test_short_key_sequences_select_the_persistent_build(short_keys: bool, key_l
     variant = select_kernel(problem, "wgmma").variant
     assert (variant.persistent, variant.key_lens) == (short_keys, key_lens)
     assert "-DWG_PERSISTENT=" + str(int(short_keys)) in variant.options()
+    assert variant.shared_bytes == (197_728 if short_keys else 230_528)  # two Q tiles and two stages, or 1 and 3
+    assert ("-DWG_STAGES=2" in variant.options()) == short_keys
     mma16 = select_kernel(replace(problem, capability=(8, 0)), "mma16").variant
     assert not mma16.persistent and not any("PERSISTENT" in option for option in mma16.options())

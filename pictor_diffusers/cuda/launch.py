@@ -119,7 +119,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
         device_index,
         variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
         spec.threads,
-        spec.shared_bytes(head_dim),
+        variant.shared_bytes,
         _signature(spec),
         operands + tuple(scalars[name] for name in spec.scalars),
         keep,

@@ -33,6 +33,11 @@ def _fp8_smem(d: int) -> int:
     return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
 
 
+def _wgmma_smem(d: int, q_tiles: int, stages: int) -> int:
+    """Alignment slack, Q tiles and stages of K and V (128 x d 16-bit each), mbarriers."""
+    return 1024 + (q_tiles + 2 * stages) * 128 * d * 2 + 8 * (4 + 4 * stages)
+
+
 def _fp16x3_smem(d: int) -> int:
     """Q hi + lo (128 rows), two stages of K and V hi + lo (64 rows), mbarriers."""
     return 1024 + 2 * 128 * d * 2 + 2 * 4 * 64 * d * 2 + 8 * (1 + 4 * 2)
@@ -89,6 +94,8 @@ class KernelSpec:
         persistent: the row also has a persistent build (`-D{prefix}PERSISTENT=1`, see `SHORT_KEYS`): one block
             per SM (at most one per work tile), each looping over work tiles of `rows_per_block` query rows of
             one head and batch; its other build (`PERSISTENT=0`) runs one block per work tile.
+        persistent_geometry, persistent_shared_bytes: what the persistent build changes of `geometry` and
+            `shared_bytes`.
         beats_sdpa_on: for the 16-bit family, the (compute capability, head_dim) pairs at which it was
             measured at least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA
             can serve.
@@ -117,6 +124,8 @@ class KernelSpec:
     exact_capability: tuple[int, int] | None = None
     arch_suffix: str = ""
     persistent: bool = False
+    persistent_geometry: Mapping[str, str] = field(default_factory=dict)
+    persistent_shared_bytes: Callable[[int], int] | None = None
     beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
     def writes(self, in_dtype: str) -> tuple[str, ...]:
@@ -155,13 +164,15 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
         **{**_WARP_SPECIALISED, "head_dims": (64, 128)},
-        shared_bytes=lambda d: 1024 + (1 + 2 * 3) * 128 * d * 2 + 8 * (2 + 4 * 3),
+        shared_bytes=lambda d: _wgmma_smem(d, q_tiles=1, stages=3),
         prefix="WG_",
         geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=(*MAP_SCALARS, "batch"),
         persistent=True,
+        persistent_geometry={"STAGES": "2"},
+        persistent_shared_bytes=lambda d: _wgmma_smem(d, q_tiles=2, stages=2),
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(
@@ -288,9 +299,19 @@ class Variant:
         if spec.persistent:
             values["PERSISTENT"] = str(int(self.persistent))
         if spec.smem_define:
-            values["SMEM_BYTES"] = str(spec.shared_bytes(self.head_dim))
+            values["SMEM_BYTES"] = str(self.shared_bytes)
         values.update(spec.geometry)
+        if self.persistent:
+            values.update(spec.persistent_geometry)
         return tuple((spec.prefix + key, value) for key, value in values.items())
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory per block of this build."""
+        spec = self.spec
+        if self.persistent and spec.persistent_shared_bytes is not None:
+            return spec.persistent_shared_bytes(self.head_dim)
+        return spec.shared_bytes(self.head_dim)
 
     def options(self) -> tuple[str, ...]:
         """NVRTC options that select this variant: its defines and the row's flags (no arch flag)."""

@@ -13,6 +13,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 HEADERS = (
     "common.cuh",
     "attention_io.cuh",
+    "tile_schedule.cuh",
     "softmax.cuh",
     "fp16_split.cuh",
     "split_phases.cuh",
