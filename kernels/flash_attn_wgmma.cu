@@ -271,55 +271,96 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     }
 }
 
-/* Key tiles 1 .. n_tiles - 1 of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax
-   while the P.V product is in flight. */
-__device__ __forceinline__ void wg_key_loop(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
-                                            unsigned int round, float scale_log2)
+/* A finished work tile's rows, ready for the store: O / l rounded to the input dtype, two per register
+   (packed[2n + r]: row r's columns 8n + 2t, 8n + 2t + 1), each row's LSE, and where they go. */
+struct wg_out {
+    unsigned int packed[WG_D / 4];
+    float lse[2];
+    pk_work wk;
+};
+
+__device__ __forceinline__ void wg_round_out(wg_out& r, const wg_acc& a, const pk_work& wk)
 {
-    const unsigned int q_rows = m.q(round) + wg_rows0() * 128;
-    float corr[2];
-    for (unsigned int j = 1; j < wk.n_tiles; j++) {
-        const unsigned int c = first + j, st = c % WG_STAGES, prev = (c - 1) % WG_STAGES;
-        m.wait_k(st, c);
-        m.wait_v(prev, c - 1);
-        pk_pin<64>(a.s);
-        pk_pin<WG_O_REGS>(a.o);
-        pk_wgmma_fence();
-        wg_issue_qk(a.s, q_rows, m.k(st));
-        wg_issue_pv(a.o, a.p, m.v(prev));
-        pk_wgmma_wait<1>();
-        pk_pin<64>(a.s);
-        m.free_k(st);
-        pk_mask_tail<WG_BK / 8>(a.s, j * WG_BK, wk.seq_k, threadIdx.x & 3u);
-        pk_online_softmax<WG_BK / 8, 1, true>(a.s, a.m_run, a.l_run, corr, scale_log2);
-        pk_wgmma_wait<0>();
-        pk_pin<WG_O_REGS>(a.o);
-        m.free_v(prev);
-        pk_rescale<WG_D / 8>(a.o, corr);
-        wg_pack_p(a.p, a.s);
+    r.wk = wk;
+    #pragma unroll
+    for (int row = 0; row < 2; row++) {
+        const float l = pk_quad_sum(a.l_run[row]), inv = 1.f / l;
+        r.lse[row] = (a.m_run[row] + log2f(l)) * 0.6931471805599453f;
+        #pragma unroll
+        for (int n = 0; n < WG_D / 8; n++) {
+            r.packed[2 * n + row] = pk_pack2<WG_IN_KIND>(a.o[4 * n + 2 * row] * inv, a.o[4 * n + 2 * row + 1] * inv);
+        }
     }
 }
 
-/* The work tile's rows: O / l rounded to the input dtype (token-major), and the LSE. */
-__device__ __forceinline__ void wg_store_rows(const wg_acc& a, const pk_work& wk, unsigned short* __restrict__ out,
-                                              float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
-                                              unsigned int out_pitch)
+/* The rows of `r` into out (token-major) and lse (when not null); rows past seq_q are not written. */
+__device__ __forceinline__ void wg_write_out(const wg_out& r, unsigned short* __restrict__ out, float* __restrict__ lse,
+                                             unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
 {
     const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2, t = threadIdx.x & 3u;
     const unsigned long long inner = (unsigned long long)num_heads * WG_D;
     #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const float l = pk_quad_sum(a.l_run[r]);
-        const unsigned int row = wk.q0 + wg_rows0() + warp * 16 + g + 8 * r;
-        if (row >= seq_q) continue;
-        const float inv = 1.f / l;
-        const unsigned long long token = (unsigned long long)wk.batch * out_pitch + row;
-        unsigned short* dst = out + token * inner + (unsigned long long)wk.head * WG_D + 2 * t;
-        if (t == 0) pk_store_lse(lse, token * num_heads + wk.head, a.m_run[r], l);
+    for (int row = 0; row < 2; row++) {
+        const unsigned int q = r.wk.q0 + wg_rows0() + warp * 16 + g + 8 * row;
+        if (q >= seq_q) continue;
+        const unsigned long long token = (unsigned long long)r.wk.batch * out_pitch + q;
+        unsigned short* dst = out + token * inner + (unsigned long long)r.wk.head * WG_D + 2 * t;
+        if (t == 0 && lse != nullptr) lse[token * num_heads + r.wk.head] = r.lse[row];
         #pragma unroll
-        for (int n = 0; n < WG_D / 8; n++) {
-            pk_store2<WG_IN_KIND>(dst + 8 * n, a.o[4 * n + 2 * r] * inv, a.o[4 * n + 2 * r + 1] * inv);
+        for (int n = 0; n < WG_D / 8; n++) *(unsigned int*)(dst + 8 * n) = r.packed[2 * n + row];
+    }
+}
+
+#define WG_OUT_ARGS out, lse, sched.num_heads, seq_q, out_pitch
+
+/* Key tile j of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax while the P.V
+   product is in flight. With `done`, the previous work tile's rows are stored while both products run. */
+__device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
+                                            unsigned int j, unsigned int q_rows, float scale_log2,
+                                            const wg_out* done, unsigned short* __restrict__ out,
+                                            float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
+                                            unsigned int out_pitch)
+{
+    const unsigned int c = first + j, st = c % WG_STAGES, prev = (c - 1) % WG_STAGES;
+    float corr[2];
+    m.wait_k(st, c);
+    m.wait_v(prev, c - 1);
+    pk_pin<64>(a.s);
+    pk_pin<WG_O_REGS>(a.o);
+    pk_wgmma_fence();
+    wg_issue_qk(a.s, q_rows, m.k(st));
+    wg_issue_pv(a.o, a.p, m.v(prev));
+    if (done != nullptr) wg_write_out(*done, out, lse, num_heads, seq_q, out_pitch);
+    pk_wgmma_wait<1>();
+    pk_pin<64>(a.s);
+    m.free_k(st);
+    pk_mask_tail<WG_BK / 8>(a.s, j * WG_BK, wk.seq_k, threadIdx.x & 3u);
+    pk_online_softmax<WG_BK / 8, 1, true>(a.s, a.m_run, a.l_run, corr, scale_log2);
+    pk_wgmma_wait<0>();
+    pk_pin<WG_O_REGS>(a.o);
+    m.free_v(prev);
+    pk_rescale<WG_D / 8>(a.o, corr);
+    wg_pack_p(a.p, a.s);
+}
+
+/* Key tiles 1 .. n_tiles - 1 of `wk`; `done` (or null): a finished tile's rows, stored during tile 1 (or
+   at once, when `wk` has a single key tile). */
+__device__ __forceinline__ void wg_key_loop(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
+                                            unsigned int round, float scale_log2, const wg_out* done,
+                                            unsigned short* __restrict__ out, float* __restrict__ lse,
+                                            unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
+{
+    const unsigned int q_rows = m.q(round) + wg_rows0() * 128;
+    unsigned int j = 1;
+    if (done != nullptr) {
+        if (wk.n_tiles == 1) {
+            wg_write_out(*done, out, lse, num_heads, seq_q, out_pitch);
+            return;
         }
+        wg_key_step(m, a, wk, first, j++, q_rows, scale_log2, done, out, lse, num_heads, seq_q, out_pitch);
+    }
+    for (; j < wk.n_tiles; j++) {
+        wg_key_step(m, a, wk, first, j, q_rows, scale_log2, nullptr, out, lse, num_heads, seq_q, out_pitch);
     }
 }
 
@@ -340,7 +381,9 @@ __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_
     wg_issue_pv(a.o, a.p, m.v(last % WG_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(a.o);
-    wg_store_rows(a, wk, out, lse, num_heads, seq_q, out_pitch);
+    wg_out r;
+    wg_round_out(r, a, wk);
+    wg_write_out(r, out, lse, num_heads, seq_q, out_pitch);
 }
 
 /* A work tile whose batch has no keys: rows of 0 and LSE -inf (attention_io.cuh); nothing from the ring. */
@@ -352,10 +395,9 @@ __device__ __forceinline__ void wg_store_keyless(const pk_work& t, unsigned shor
                                       threadIdx.x - 128, WG_THREADS - 128);
 }
 
-#define WG_OUT_ARGS out, lse, sched.num_heads, seq_q, out_pitch
-
 /* The consumer warpgroups, persistent build: the work tiles in the producer's order. Between two tiles
-   with keys, the next one's first S runs alongside the last P.V of the one before, whose store follows. */
+   with keys, the next one's first S runs alongside the last P.V of the one before, whose rows are then
+   stored while the next one's second key tile is in the tensor cores. */
 __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched,
                                                       unsigned short* __restrict__ out, float* __restrict__ lse,
                                                       unsigned int seq_q, unsigned int out_pitch, float scale_log2)
@@ -372,7 +414,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
     wg_pack_p(a.p, a.s);
-    wg_key_loop(m, a, held, 0, 0, scale_log2);
+    wg_key_loop(m, a, held, 0, 0, scale_log2, nullptr, WG_OUT_ARGS);
     pk_warp_arrive(m.q_free(0));
     unsigned int first = held.n_tiles, round = 1;
     for (w += gridDim.x; w < sched.n_work; w += gridDim.x) {
@@ -384,14 +426,15 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         float m_run[2], l_run[2];
         wg_first_keys<true>(m, a, m_run, l_run, t, first, round, scale_log2);
         wg_pack_p(a.p, a.s);
-        wg_store_rows(a, held, WG_OUT_ARGS);   /* with the held tile's softmax state */
+        wg_out done;
+        wg_round_out(done, a, held);   /* with the held tile's softmax state */
         wg_zero_o(a);
         #pragma unroll
         for (int r = 0; r < 2; r++) {
             a.m_run[r] = m_run[r];
             a.l_run[r] = l_run[r];
         }
-        wg_key_loop(m, a, t, first, round, scale_log2);
+        wg_key_loop(m, a, t, first, round, scale_log2, &done, WG_OUT_ARGS);
         pk_warp_arrive(m.q_free(round));
         held = t;
         first += t.n_tiles;
@@ -414,7 +457,7 @@ __device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedu
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, t, 0, 0, scale_log2);
     wg_pack_p(a.p, a.s);
-    wg_key_loop(m, a, t, 0, 0, scale_log2);
+    wg_key_loop(m, a, t, 0, 0, scale_log2, nullptr, WG_OUT_ARGS);
     wg_finish(m, a, t, t.n_tiles - 1, WG_OUT_ARGS);
 }
 
