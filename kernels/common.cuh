@@ -5,6 +5,7 @@
      common.cuh         any arch: reductions, fast math, 16-bit packing and stores, shared addresses
      attention_io.cuh   any arch: the attention kernels' operands and per-batch key counts
      tile_schedule.cuh  any arch: the work tiles of an attention launch and which block runs each
+     epilogue.cuh       any arch: a warpgroup's finished rows, rounded, then stored token-major
      softmax.cuh        any arch: the online softmax on mma.sync / wgmma accumulator tiles, the LSE
      fp16_split.cuh     any arch: f32 -> scaled float16 hi + lo (split_fp16x2.cu, qkv_prologue_split.cu,
                         flash_attn_fp16x3.cu)

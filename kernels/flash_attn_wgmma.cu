@@ -16,15 +16,18 @@
        tile j's softmax while the P.V product is still in flight, so the
        exponentials overlap the tensor cores.
    Two builds. WG_PERSISTENT=1 (the host runs it on short key sequences):
-   each block loops over work tiles (128 query rows of one head and batch),
-   and the K/V ring runs on from one work tile to the next, so the next tile's
-   keys and its Q tile load while the last P.V and the store of the current
-   one run (Q is reloaded once both consumers' S products are done).
+   each block loops over work tiles (128 query rows of one head and batch);
+   the K/V ring runs on from one work tile to the next and Q is double-
+   buffered, so the next tile's Q and keys load during the current one.
+   Between two work tiles, the next tile's first S is issued with the last
+   P.V of the one before, its softmax runs while that P.V is in flight, and
+   the finished tile's rows, rounded (epilogue.cuh), are stored while the
+   next tile's second key tile is in the tensor cores.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences).
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
-   sm90_wgmma.cuh's; this file holds the tile copies, the schedule, the main
-   loop and the store.
+   sm90_wgmma.cuh's, the schedule tile_schedule.cuh's; this file holds the
+   shared-memory map, the tile copies and the main loop.
 
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
@@ -36,12 +39,12 @@
                num_heads, batch), one work tile per block
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers), one
                block per SM at a time
-       dynamic shared memory = WG_SMEM_BYTES = 230,512 bytes at WG_D = 128 and
-       WG_STAGES = 3 (224 KiB of tiles, 1 KiB of alignment slack, 112 bytes of
-       mbarriers; 115,824 bytes at WG_D = 64):
-           Q tile, WG_STAGES x (K tile, V tile), 128 x WG_D 16-bit each, stored
-           as WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
-           swizzle; then the mbarriers.
+       dynamic shared memory = WG_SMEM_BYTES: WG_Q_BUFS = 1 + WG_PERSISTENT Q
+       tiles, WG_STAGES x (K tile, V tile), 128 x WG_D 16-bit each, stored
+       as WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
+       swizzle; 1 KiB of alignment slack; then 8 x (4 + 4 WG_STAGES) bytes
+       of mbarriers. At WG_D = 128: 230,528 bytes (WG_PERSISTENT=0, 3
+       stages) and 197,728 (=1, 2 stages).
    Matrix products: wgmma.mma_async, f32 accumulators; m64n128k16 for S and
    m64n{WG_D}k16 for O.
        S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
@@ -70,6 +73,7 @@
    or 128. Needs sm_90a. */
 
 #include "attention_io.cuh"
+#include "epilogue.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"
@@ -113,44 +117,6 @@ __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_m
     for (int slab = 0; slab < WG_SLABS; slab++) {
         pk_copy_box(dst + slab * WG_SLAB_BYTES, map, 64 * slab, head, row, batch, bar);
     }
-}
-
-/* ---- wgmma ---- */
-
-/* S = Q K^T for one warpgroup: WG_D / 16 k-steps of 16 columns, 4 per slab. */
-__device__ __forceinline__ void wg_issue_qk(float* s, unsigned int q_rows, unsigned int k_tile)
-{
-    const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
-    #pragma unroll
-    for (int kk = 0; kk < WG_D / 16; kk++) {
-        const unsigned int offset = (kk / 4) * WG_SLAB_BYTES + (kk % 4) * 32;
-        pk_wgmma_n128_ss<WG_IN_KIND>(s, pk_desc_advance(a, offset), pk_desc_advance(b, offset), kk > 0);
-    }
-    pk_wgmma_commit();
-}
-
-/* O += P V: 8 k-steps of 16 keys; V's 64-column slabs (two at head_dim 128) are LBO apart. */
-__device__ __forceinline__ void wg_issue_pv(float* o, const unsigned int* p, unsigned int v_tile)
-{
-    const unsigned long long b = pk_wgmma_desc(v_tile, WG_SLAB_BYTES, 1024);
-    #pragma unroll
-    for (int kk = 0; kk < WG_BK / 16; kk++) {
-        const unsigned long long b_kk = pk_desc_advance(b, kk * 16 * 128);
-        if constexpr (WG_D == 128) {
-            pk_wgmma_n128_rs<WG_IN_KIND>(o, p + 4 * kk, b_kk, 1);
-        } else {
-            pk_wgmma_n64_rs<WG_IN_KIND>(o, p + 4 * kk, b_kk, 1);
-        }
-    }
-    pk_wgmma_commit();
-}
-
-/* P as the A operand of the next P.V: register 4kk + c holds keys 16kk.. of
-   the layout wgmma expects, which is S's accumulator order pairwise. */
-__device__ __forceinline__ void wg_pack_p(unsigned int* p, const float* s)
-{
-    #pragma unroll
-    for (int i = 0; i < 32; i++) p[i] = pk_pack2<WG_IN_KIND>(s[2 * i], s[2 * i + 1]);
 }
 
 /* ---- roles ---- */
@@ -251,9 +217,9 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     pk_pin<64>(a.s);
     if (WITH_PV) pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    wg_issue_qk(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
+    pk_tile_qk<WG_IN_KIND, WG_D>(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
     if (WITH_PV) {
-        wg_issue_pv(a.o, a.p, m.v(prev));
+        pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
         pk_wgmma_wait<1>();
     } else {
         pk_wgmma_wait<0>();
@@ -271,53 +237,13 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     }
 }
 
-/* A finished work tile's rows, ready for the store: O / l rounded to the input dtype, two per register
-   (packed[2n + r]: row r's columns 8n + 2t, 8n + 2t + 1), each row's LSE, and where they go. */
-struct wg_out {
-    unsigned int packed[WG_D / 4];
-    float lse[2];
-    pk_work wk;
-};
-
-__device__ __forceinline__ void wg_round_out(wg_out& r, const wg_acc& a, const pk_work& wk)
-{
-    r.wk = wk;
-    #pragma unroll
-    for (int row = 0; row < 2; row++) {
-        const float l = pk_quad_sum(a.l_run[row]), inv = 1.f / l;
-        r.lse[row] = (a.m_run[row] + log2f(l)) * 0.6931471805599453f;
-        #pragma unroll
-        for (int n = 0; n < WG_D / 8; n++) {
-            r.packed[2 * n + row] = pk_pack2<WG_IN_KIND>(a.o[4 * n + 2 * row] * inv, a.o[4 * n + 2 * row + 1] * inv);
-        }
-    }
-}
-
-/* The rows of `r` into out (token-major) and lse (when not null); rows past seq_q are not written. */
-__device__ __forceinline__ void wg_write_out(const wg_out& r, unsigned short* __restrict__ out, float* __restrict__ lse,
-                                             unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
-{
-    const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2, t = threadIdx.x & 3u;
-    const unsigned long long inner = (unsigned long long)num_heads * WG_D;
-    #pragma unroll
-    for (int row = 0; row < 2; row++) {
-        const unsigned int q = r.wk.q0 + wg_rows0() + warp * 16 + g + 8 * row;
-        if (q >= seq_q) continue;
-        const unsigned long long token = (unsigned long long)r.wk.batch * out_pitch + q;
-        unsigned short* dst = out + token * inner + (unsigned long long)r.wk.head * WG_D + 2 * t;
-        if (t == 0 && lse != nullptr) lse[token * num_heads + r.wk.head] = r.lse[row];
-        #pragma unroll
-        for (int n = 0; n < WG_D / 8; n++) *(unsigned int*)(dst + 8 * n) = r.packed[2 * n + row];
-    }
-}
-
 #define WG_OUT_ARGS out, lse, sched.num_heads, seq_q, out_pitch
 
 /* Key tile j of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax while the P.V
    product is in flight. With `done`, the previous work tile's rows are stored while both products run. */
 __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
                                             unsigned int j, unsigned int q_rows, float scale_log2,
-                                            const wg_out* done, unsigned short* __restrict__ out,
+                                            const pk_out_rows<WG_D>* done, unsigned short* __restrict__ out,
                                             float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
                                             unsigned int out_pitch)
 {
@@ -328,9 +254,9 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_pin<64>(a.s);
     pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    wg_issue_qk(a.s, q_rows, m.k(st));
-    wg_issue_pv(a.o, a.p, m.v(prev));
-    if (done != nullptr) wg_write_out(*done, out, lse, num_heads, seq_q, out_pitch);
+    pk_tile_qk<WG_IN_KIND, WG_D>(a.s, q_rows, m.k(st));
+    pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
+    if (done != nullptr) pk_write_out<WG_D>(*done, wg_rows0(), out, lse, num_heads, seq_q, out_pitch);
     pk_wgmma_wait<1>();
     pk_pin<64>(a.s);
     m.free_k(st);
@@ -340,13 +266,13 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_pin<WG_O_REGS>(a.o);
     m.free_v(prev);
     pk_rescale<WG_D / 8>(a.o, corr);
-    wg_pack_p(a.p, a.s);
+    pk_pack_p<WG_IN_KIND>(a.p, a.s);
 }
 
 /* Key tiles 1 .. n_tiles - 1 of `wk`; `done` (or null): a finished tile's rows, stored during tile 1 (or
    at once, when `wk` has a single key tile). */
 __device__ __forceinline__ void wg_key_loop(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
-                                            unsigned int round, float scale_log2, const wg_out* done,
+                                            unsigned int round, float scale_log2, const pk_out_rows<WG_D>* done,
                                             unsigned short* __restrict__ out, float* __restrict__ lse,
                                             unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
 {
@@ -354,7 +280,7 @@ __device__ __forceinline__ void wg_key_loop(const wg_smem& m, wg_acc& a, const p
     unsigned int j = 1;
     if (done != nullptr) {
         if (wk.n_tiles == 1) {
-            wg_write_out(*done, out, lse, num_heads, seq_q, out_pitch);
+            pk_write_out<WG_D>(*done, wg_rows0(), out, lse, num_heads, seq_q, out_pitch);
             return;
         }
         wg_key_step(m, a, wk, first, j++, q_rows, scale_log2, done, out, lse, num_heads, seq_q, out_pitch);
@@ -378,12 +304,12 @@ __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_
     m.wait_v(last % WG_STAGES, last);
     pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    wg_issue_pv(a.o, a.p, m.v(last % WG_STAGES));
+    pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(last % WG_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(a.o);
-    wg_out r;
-    wg_round_out(r, a, wk);
-    wg_write_out(r, out, lse, num_heads, seq_q, out_pitch);
+    pk_out_rows<WG_D> r;
+    pk_round_out<WG_IN_KIND, WG_D>(r, a.o, a.m_run, a.l_run, wk);
+    pk_write_out<WG_D>(r, wg_rows0(), out, lse, num_heads, seq_q, out_pitch);
 }
 
 /* A work tile whose batch has no keys: rows of 0 and LSE -inf (attention_io.cuh); nothing from the ring. */
@@ -413,7 +339,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
     }
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
-    wg_pack_p(a.p, a.s);
+    pk_pack_p<WG_IN_KIND>(a.p, a.s);
     wg_key_loop(m, a, held, 0, 0, scale_log2, nullptr, WG_OUT_ARGS);
     pk_warp_arrive(m.q_free(0));
     unsigned int first = held.n_tiles, round = 1;
@@ -425,9 +351,9 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         }
         float m_run[2], l_run[2];
         wg_first_keys<true>(m, a, m_run, l_run, t, first, round, scale_log2);
-        wg_pack_p(a.p, a.s);
-        wg_out done;
-        wg_round_out(done, a, held);   /* with the held tile's softmax state */
+        pk_pack_p<WG_IN_KIND>(a.p, a.s);
+        pk_out_rows<WG_D> done;
+        pk_round_out<WG_IN_KIND, WG_D>(done, a.o, a.m_run, a.l_run, held);   /* with the held tile's softmax state */
         wg_zero_o(a);
         #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -456,7 +382,7 @@ __device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedu
     wg_acc a;
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, t, 0, 0, scale_log2);
-    wg_pack_p(a.p, a.s);
+    pk_pack_p<WG_IN_KIND>(a.p, a.s);
     wg_key_loop(m, a, t, 0, 0, scale_log2, nullptr, WG_OUT_ARGS);
     wg_finish(m, a, t, t.n_tiles - 1, WG_OUT_ARGS);
 }

@@ -2,6 +2,7 @@
    (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu): every wgmma.mma_async they issue.
      Descriptors  pk_wgmma_desc (128-byte swizzle), pk_desc_advance
      Ordering     pk_wgmma_fence, pk_wgmma_commit, pk_wgmma_wait<N>, pk_pin<N>
+     Tiles        pk_tile_qk, pk_tile_pv, pk_pack_p: a 128-key tile's S and P.V at 16 bits
      Products     one warpgroup, m64, A (64 rows) from shared memory (_ss) or registers (_rs);
                   `accumulate` 0 overwrites the accumulators (scale-d 0):
                     pk_wgmma_n128_ss<KIND>, pk_wgmma_n64_ss<KIND>  16-bit, f32 accumulators
@@ -15,6 +16,8 @@
 
 #ifndef PICTOR_SM90_WGMMA_CUH
 #define PICTOR_SM90_WGMMA_CUH
+
+#include "common.cuh"
 
 /* Shared-memory matrix descriptor, 128-byte swizzle; lead and stride in bytes. */
 __device__ __forceinline__ unsigned long long pk_wgmma_desc(unsigned int addr, unsigned int lead, unsigned int stride)
@@ -137,6 +140,49 @@ __device__ __forceinline__ void pk_pin(float* acc)
 {
     #pragma unroll
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i]) :: "memory");
+}
+
+/* ---- 128-key tiles of the 16-bit kernels (flash_attn_wgmma.cu) ----
+   Tiles are 128 rows x D columns of KIND, as D / 64 slabs of 64 columns (128-byte rows, TMA's 128-byte
+   swizzle, 16 KiB each); one warpgroup computes 64 query rows. */
+
+/* S = Q K^T for one warpgroup (q_rows: its first Q row in the tile): D / 16 k-steps, 4 per slab. */
+template <int KIND, int D>
+__device__ __forceinline__ void pk_tile_qk(float* s, unsigned int q_rows, unsigned int k_tile)
+{
+    const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const unsigned int offset = (kk / 4) * 128 * 128 + (kk % 4) * 32;
+        pk_wgmma_n128_ss<KIND>(s, pk_desc_advance(a, offset), pk_desc_advance(b, offset), kk > 0);
+    }
+    pk_wgmma_commit();
+}
+
+/* O += P V: 8 k-steps of 16 keys; V read transposed, its 64-column slabs LBO apart. */
+template <int KIND, int D>
+__device__ __forceinline__ void pk_tile_pv(float* o, const unsigned int* p, unsigned int v_tile)
+{
+    const unsigned long long b = pk_wgmma_desc(v_tile, 128 * 128, 1024);
+    #pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        const unsigned long long b_kk = pk_desc_advance(b, kk * 16 * 128);
+        if constexpr (D == 128) {
+            pk_wgmma_n128_rs<KIND>(o, p + 4 * kk, b_kk, 1);
+        } else {
+            pk_wgmma_n64_rs<KIND>(o, p + 4 * kk, b_kk, 1);
+        }
+    }
+    pk_wgmma_commit();
+}
+
+/* P as the A operand of the next P.V: register 4kk + c holds keys 16kk.. of the layout wgmma expects,
+   which is S's accumulator order pairwise. */
+template <int KIND>
+__device__ __forceinline__ void pk_pack_p(unsigned int* p, const float* s)
+{
+    #pragma unroll
+    for (int i = 0; i < 32; i++) p[i] = pk_pack2<KIND>(s[2 * i], s[2 * i + 1]);
 }
 
 #endif

@@ -14,6 +14,7 @@ HEADERS = (
     "common.cuh",
     "attention_io.cuh",
     "tile_schedule.cuh",
+    "epilogue.cuh",
     "softmax.cuh",
     "fp16_split.cuh",
     "split_phases.cuh",

@@ -1,0 +1,62 @@
+/* epilogue.cuh: a consumer warpgroup's finished rows of an attention work tile, any architecture.
+
+   A warpgroup holds 64 query rows of a work tile (pk_work, tile_schedule.cuh) as 4 warps x 16 rows of
+   m64nD accumulators (softmax.cuh's layout: thread (g, t) of warp w holds rows 16w + g and 16w + g + 8,
+   columns 8n + 2t and 8n + 2t + 1). Finishing them takes two steps, so that a persistent kernel can round
+   a tile, reuse its accumulators for the next one and store the rounded rows later, while products run:
+     pk_out_rows<D>          a thread's rounded rows: O / l packed two per register, the LSE, the tile
+     pk_round_out<KIND, D>   accumulators and running softmax (m in log2 units, l per thread) -> rows
+     pk_write_out<D>         the rows into out (token-major [batch, out_pitch, heads * D], dtype KIND)
+                             and lse ([batch, out_pitch, heads] f32, natural log, or null) */
+
+#ifndef PICTOR_EPILOGUE_CUH
+#define PICTOR_EPILOGUE_CUH
+
+#include "tile_schedule.cuh"
+
+template <int D>
+struct pk_out_rows {
+    unsigned int packed[D / 4];   /* packed[2n + r]: row r's columns 8n + 2t, 8n + 2t + 1 */
+    float lse[2];
+    pk_work wk;
+};
+
+/* O / l rounded to nearest even in dtype KIND, and ln(l) + m ln 2, for the thread's two rows. */
+template <int KIND, int D>
+__device__ __forceinline__ void pk_round_out(pk_out_rows<D>& r, const float* o, const float* m_run,
+                                             const float* l_run, const pk_work& wk)
+{
+    r.wk = wk;
+    #pragma unroll
+    for (int row = 0; row < 2; row++) {
+        const float l = pk_quad_sum(l_run[row]), inv = 1.f / l;
+        r.lse[row] = (m_run[row] + log2f(l)) * 0.6931471805599453f;
+        #pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            r.packed[2 * n + row] = pk_pack2<KIND>(o[4 * n + 2 * row] * inv, o[4 * n + 2 * row + 1] * inv);
+        }
+    }
+}
+
+/* The rows of `r` (the warpgroup's first row in its tile: rows0) into out and lse; rows >= seq_q are
+   not written. */
+template <int D>
+__device__ __forceinline__ void pk_write_out(const pk_out_rows<D>& r, unsigned int rows0, unsigned short* __restrict__ out,
+                                             float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
+                                             unsigned int out_pitch)
+{
+    const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2, t = threadIdx.x & 3u;
+    const unsigned long long inner = (unsigned long long)num_heads * D;
+    #pragma unroll
+    for (int row = 0; row < 2; row++) {
+        const unsigned int q = r.wk.q0 + rows0 + warp * 16 + g + 8 * row;
+        if (q >= seq_q) continue;
+        const unsigned long long token = (unsigned long long)r.wk.batch * out_pitch + q;
+        unsigned short* dst = out + token * inner + (unsigned long long)r.wk.head * D + 2 * t;
+        if (t == 0 && lse != nullptr) lse[token * num_heads + r.wk.head] = r.lse[row];
+        #pragma unroll
+        for (int n = 0; n < D / 8; n++) *(unsigned int*)(dst + 8 * n) = r.packed[2 * n + row];
+    }
+}
+
+#endif
