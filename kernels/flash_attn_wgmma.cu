@@ -21,8 +21,9 @@
    buffered, so the next tile's Q and keys load during the current one.
    Between two work tiles, the next tile's first S is issued with the last
    P.V of the one before, its softmax runs while that P.V is in flight, and
-   the finished tile's rows, rounded (epilogue.cuh), are stored while the
-   next tile's second key tile is in the tensor cores.
+   the finished tile's rows are then rounded and stored (epilogue.cuh).
+   (Storing them later, while the next tile's second key tile is in the
+   tensor cores, measured 3-15% slower at 300-512 keys on the H100.)
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences).
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
@@ -240,12 +241,9 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
 #define WG_OUT_ARGS out, lse, sched.num_heads, seq_q, out_pitch
 
 /* Key tile j of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax while the P.V
-   product is in flight. With `done`, the previous work tile's rows are stored while both products run. */
+   product is in flight. */
 __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
-                                            unsigned int j, unsigned int q_rows, float scale_log2,
-                                            const pk_out_rows<WG_D>* done, unsigned short* __restrict__ out,
-                                            float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
-                                            unsigned int out_pitch)
+                                            unsigned int j, unsigned int q_rows, float scale_log2)
 {
     const unsigned int c = first + j, st = c % WG_STAGES, prev = (c - 1) % WG_STAGES;
     float corr[2];
@@ -256,7 +254,6 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_wgmma_fence();
     pk_tile_qk<WG_IN_KIND, WG_D>(a.s, q_rows, m.k(st));
     pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
-    if (done != nullptr) pk_write_out<WG_D>(*done, wg_rows0(), out, lse, num_heads, seq_q, out_pitch);
     pk_wgmma_wait<1>();
     pk_pin<64>(a.s);
     m.free_k(st);
@@ -269,25 +266,12 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_pack_p<WG_IN_KIND>(a.p, a.s);
 }
 
-/* Key tiles 1 .. n_tiles - 1 of `wk`; `done` (or null): a finished tile's rows, stored during tile 1 (or
-   at once, when `wk` has a single key tile). */
+/* Key tiles 1 .. n_tiles - 1 of `wk`. */
 __device__ __forceinline__ void wg_key_loop(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
-                                            unsigned int round, float scale_log2, const pk_out_rows<WG_D>* done,
-                                            unsigned short* __restrict__ out, float* __restrict__ lse,
-                                            unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
+                                            unsigned int round, float scale_log2)
 {
     const unsigned int q_rows = m.q(round) + wg_rows0() * 128;
-    unsigned int j = 1;
-    if (done != nullptr) {
-        if (wk.n_tiles == 1) {
-            pk_write_out<WG_D>(*done, wg_rows0(), out, lse, num_heads, seq_q, out_pitch);
-            return;
-        }
-        wg_key_step(m, a, wk, first, j++, q_rows, scale_log2, done, out, lse, num_heads, seq_q, out_pitch);
-    }
-    for (; j < wk.n_tiles; j++) {
-        wg_key_step(m, a, wk, first, j, q_rows, scale_log2, nullptr, out, lse, num_heads, seq_q, out_pitch);
-    }
+    for (unsigned int j = 1; j < wk.n_tiles; j++) wg_key_step(m, a, wk, first, j, q_rows, scale_log2);
 }
 
 __device__ __forceinline__ void wg_zero_o(wg_acc& a)
@@ -322,8 +306,8 @@ __device__ __forceinline__ void wg_store_keyless(const pk_work& t, unsigned shor
 }
 
 /* The consumer warpgroups, persistent build: the work tiles in the producer's order. Between two tiles
-   with keys, the next one's first S runs alongside the last P.V of the one before, whose rows are then
-   stored while the next one's second key tile is in the tensor cores. */
+   with keys, the next one's first S runs alongside the last P.V of the one before, whose rows are stored
+   once that P.V is done. */
 __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched,
                                                       unsigned short* __restrict__ out, float* __restrict__ lse,
                                                       unsigned int seq_q, unsigned int out_pitch, float scale_log2)
@@ -340,7 +324,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
     pk_pack_p<WG_IN_KIND>(a.p, a.s);
-    wg_key_loop(m, a, held, 0, 0, scale_log2, nullptr, WG_OUT_ARGS);
+    wg_key_loop(m, a, held, 0, 0, scale_log2);
     pk_warp_arrive(m.q_free(0));
     unsigned int first = held.n_tiles, round = 1;
     for (w += gridDim.x; w < sched.n_work; w += gridDim.x) {
@@ -354,13 +338,14 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         pk_pack_p<WG_IN_KIND>(a.p, a.s);
         pk_out_rows<WG_D> done;
         pk_round_out<WG_IN_KIND, WG_D>(done, a.o, a.m_run, a.l_run, held);   /* with the held tile's softmax state */
+        pk_write_out<WG_D>(done, wg_rows0(), WG_OUT_ARGS);
         wg_zero_o(a);
         #pragma unroll
         for (int r = 0; r < 2; r++) {
             a.m_run[r] = m_run[r];
             a.l_run[r] = l_run[r];
         }
-        wg_key_loop(m, a, t, first, round, scale_log2, &done, WG_OUT_ARGS);
+        wg_key_loop(m, a, t, first, round, scale_log2);
         pk_warp_arrive(m.q_free(round));
         held = t;
         first += t.n_tiles;
@@ -383,7 +368,7 @@ __device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedu
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, t, 0, 0, scale_log2);
     pk_pack_p<WG_IN_KIND>(a.p, a.s);
-    wg_key_loop(m, a, t, 0, 0, scale_log2, nullptr, WG_OUT_ARGS);
+    wg_key_loop(m, a, t, 0, 0, scale_log2);
     wg_finish(m, a, t, t.n_tiles - 1, WG_OUT_ARGS);
 }
 
