@@ -21,9 +21,8 @@ from launch_counts import count_launches
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.cuda import launch
 from pictor_diffusers.cuda.geometry import SplitPlanes, split_halves
-from pictor_diffusers.cuda.launch import qkv_prologue_cuda, qkv_prologue_split_cuda
+from pictor_diffusers.cuda.launch import qkv_prologue_cuda, qkv_prologue_split_cuda, split_qkv_cuda
 from pictor_diffusers.cuda.prologue_layout import prologue_layout
-from pictor_diffusers.cuda.split_launch import SplitReplay, split_qkv_cuda
 from pictor_diffusers.ops import split_route
 from pictor_diffusers.ops.attention import attention
 from pictor_diffusers.ops.split_reference import split_twin
@@ -152,18 +151,15 @@ def test_value_channels_of_every_magnitude(dtype: torch.dtype) -> None:
 
 
 def _route_counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Launch counts from here on: split prologues, split prepasses (run in full or replayed by `plan_memo`)
-    and fp32-family attention kernels."""
+    """Launch counts from here on: split prologues, split prepasses and fp32-family attention kernels."""
     counts = {"prologue_split": [0], "split_prepass": [0], "attention": count_launches(monkeypatch, "fp32")}
     for module, name, key in ((split_route, "qkv_prologue_split_cuda", "prologue_split"),
-                              (launch, "split_planes", "split_prepass"),
-                              (SplitReplay, "run", "split_prepass")):  # fmt: skip
+                              (launch, "split_planes", "split_prepass")):  # fmt: skip
         original = getattr(module, name)
 
         def counted(*args: object, _original=original, _key=key, **kwargs: object) -> object:
-            result = _original(*args, **kwargs)
-            counts[_key][0] += result is not False  # a replay whose workspace moved ran nothing
-            return result
+            counts[_key][0] += 1
+            return _original(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
     return counts

@@ -2,7 +2,7 @@
 
 `Window`: query rows [q_start, q_stop) over keys [k_start, k_stop) of `[B, H, N, D]` inputs.
 `Geometry`: planes (B*H), the window's row counts, the full tensors' pitches, head_dim, dtype, heads and the
-logit scale times log2 e, for the prepasses (`split_launch.split_planes`, `quantized.quantize`).
+logit scale times log2 e, for the prepasses (`launch.split_planes`, `quantized.quantize`).
 `Launch`: one attention kernel's launch with its arguments built (`launch.attention_launch`).
 `SplitPlanes`: q, k, v already split into the fp16x3 kernel's operands (by the split prologue), and
 `split_halves`, the size of such planes.

@@ -2,10 +2,9 @@
 
 `run` executes the `plan.AttentionPlan` that `plan.plan_attention` (or, on split planes,
 `plan.plan_split_attention`) resolved (every attention kernel of the registry, or SDPA's call where "auto"
-hands one to it); `prepare` fills a plan's launch once for `plan_memo`'s replays; `qkv_prologue_cuda` launches
-the prologue, `qkv_prologue_split_cuda` the split prologue (projections to the fp16x3 kernel's planes). Each
-builds the kernel's argument list from its registry row and hands it to `runtime.launch` (the split prepass and
-its replay: `split_launch`). A plan comes with its
+hands one to it); `qkv_prologue_cuda` launches the prologue, `qkv_prologue_split_cuda` the split prologue
+(projections to the fp16x3 kernel's planes) and `split_qkv_cuda` the split on whole f32 q, k, v. Each builds
+the kernel's argument list from its registry row and hands it to `runtime.launch`. A plan comes with its
 kernel and prepass loaded, so running it looks nothing up. Inputs were validated at the public boundary
 (`ops.attention`, `ops.split_route`); nothing here re-checks them.
 """
@@ -13,6 +12,7 @@ kernel and prepass loaded, so running it looks nothing up. Inputs were validated
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from typing import Any
 
@@ -20,13 +20,12 @@ import torch
 
 from ..dtypes import DTYPE_NAMES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import OUT_OPERAND, Geometry, Launch, SplitPlanes, Window
-from .pass_rows import prologue_split_variant, prologue_variant
+from .geometry import Geometry, Launch, SplitPlanes, Window, split_halves
+from .pass_rows import SPLIT, prologue_split_variant, prologue_variant, split_variant
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
 from .registry import KernelSpec
-from .split_launch import SplitReplay, plane_operands, split_buffers, split_planes, two_phases
 
 _LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
@@ -38,13 +37,11 @@ _SCALAR_TYPES = {
 
 def run(plan: AttentionPlan) -> torch.Tensor:
     """Execute a plan: the kernel's launch (or SDPA's call) into the plan's output, then the dtype cast the
-    caller asked for; returns the caller's output. A prepared launch that could not run (a split replay whose
-    workspace moved) is built again in full."""
+    caller asked for; returns the caller's output."""
     window = plan.window
     if plan.selection.variant is None:
         return _sdpa_attention(plan.query, plan.key, plan.value, plan.scale, plan.out, window)
-    if not launch_attention(plan):
-        launch_attention(plan._replace(launch=None))
+    launch_attention(plan)
     if plan.written.dtype == plan.out_dtype:
         return plan.written
     if plan.out is None:
@@ -71,59 +68,26 @@ def _sdpa_attention(
     return out
 
 
-def launch_attention(plan: AttentionPlan, written: torch.Tensor | None = None) -> bool:
+def launch_attention(plan: AttentionPlan, written: torch.Tensor | None = None) -> None:
     """Launch the plan's kernel variant (after the prepass that makes its operands, where it has one and the
     plan's q, k, v are not split already) into `plan.written` (or `written`, a replayed plan's fresh output),
     for the rows of its window (and `key_lens` keys of each batch, if given): its prepared `plan.launch` where
     it has one (`plan_memo`), with the output's address, else the launch `attention_launch` builds. Every
-    attention kernel launch goes through here. Returns whether it ran: False only when a prepared split
-    replay's workspace moved (`split_launch.SplitReplay`), and then nothing was launched."""
+    attention kernel launch goes through here."""
     if plan.launch is not None:
-        return plan.launch.run((plan.written if written is None else written).data_ptr())
+        plan.launch.run((plan.written if written is None else written).data_ptr())
+        return
     launch = attention_launch(plan)
     runtime.launch(plan.function, launch.device_index, launch.grid, launch.threads, launch.shared_bytes,
                    launch.signature, launch.args)  # fmt: skip
-    return True
-
-
-def prepare(plan: AttentionPlan) -> runtime.PreparedLaunch | SplitReplay:
-    """The plan's launch with its arguments filled once, for `plan_memo` to replay with a new output: the
-    kernel's alone, or for a split-planes kernel whose q, k, v are not split yet the split's and the kernel's
-    on a workspace address the replay checks (`split_launch.SplitReplay`)."""
-    if plan.selection.variant.spec.operands != "split_planes" or plan.split is not None:
-        return runtime.PreparedLaunch(plan.function, attention_launch(plan), OUT_OPERAND)
-    pointers, geometry, scalars = _arguments(plan)
-
-    def build(planes: torch.Tensor, colmax: torch.Tensor) -> Launch:
-        operands, maps = plane_operands(planes, colmax, geometry, pointers[3:])
-        return _built(plan, operands, scalars, maps)
-
-    device_index = plan.written.device.index
-    return SplitReplay(pointers[:3], geometry, device_index, plan.prepass_function, plan.function, OUT_OPERAND, build)
 
 
 def attention_launch(plan: AttentionPlan) -> Launch:
     """The launch of the plan's kernel variant, its arguments built (running the prepass first, where its
     operands need one and the plan's q, k, v are not split already)."""
-    pointers, geometry, scalars = _arguments(plan)
-    spec, head_dim = plan.selection.variant.spec, geometry.head_dim
-    if spec.operands == "tensor_maps":
-        window = plan.window
-        maps = [
-            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, geometry.dtype)
-            for t, start, stop in ((plan.query, window.q_start, window.q_stop),
-                                   (plan.key, window.k_start, window.k_stop),
-                                   (plan.value, window.k_start, window.k_stop))
-        ]  # fmt: skip
-        return _built(plan, _with_maps(maps, pointers[3:]), scalars, maps)
-    device_index = plan.written.device.index
-    operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function, plan.split)
-    return _built(plan, operands, scalars, keep)
-
-
-def _arguments(plan: AttentionPlan) -> tuple[tuple[int, ...], Geometry, dict[str, Any]]:
-    """The window's (q, k, v, out, lse, key counts) addresses, its `Geometry` and the kernel's scalars."""
-    window, scale, out, lse, key_lens = plan.window, plan.scale, plan.written, plan.lse, plan.key_lens
+    variant, window, scale = plan.selection.variant, plan.window, plan.scale
+    out, lse, key_lens = plan.written, plan.lse, plan.key_lens
+    spec = variant.spec
     (batch, heads, seq_q, head_dim), kv_pitch, dtype, inputs = _inputs(plan)
     q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
     pointers = (
@@ -137,17 +101,29 @@ def _arguments(plan: AttentionPlan) -> tuple[tuple[int, ...], Geometry, dict[str
         "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
         "batch": batch,
     }  # fmt: skip
-    geometry = Geometry(batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"])
-    return pointers, geometry, scalars
-
-
-def _built(plan: AttentionPlan, operands: tuple[Any, ...], scalars: dict[str, Any], keep: object) -> Launch:
-    """The plan's `Launch`: its variant's grid, block and shared memory, `operands` then its scalars."""
-    variant, geometry_batch = plan.selection.variant, scalars["batch"]
-    spec, device_index = variant.spec, plan.written.device.index
-    grid = variant.grid(geometry_batch, scalars["heads"], scalars["seq_q"], nvrtc.multiprocessors(device_index))
-    signature, values = _signature(spec), operands + tuple(scalars[name] for name in spec.scalars)
-    return Launch(device_index, grid, spec.threads, variant.shared_bytes, signature, values, keep)
+    device_index = out.device.index
+    if spec.operands == "tensor_maps":
+        maps = [
+            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, dtype)
+            for t, start, stop in ((plan.query, window.q_start, window.q_stop),
+                                   (plan.key, window.k_start, window.k_stop),
+                                   (plan.value, window.k_start, window.k_stop))
+        ]  # fmt: skip
+        operands, keep = _with_maps(maps, pointers[3:]), maps
+    else:
+        geometry = Geometry(
+            batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
+        )
+        operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function, plan.split)
+    return Launch(
+        device_index,
+        variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
+        spec.threads,
+        variant.shared_bytes,
+        _signature(spec),
+        operands + tuple(scalars[name] for name in spec.scalars),
+        keep,
+    )
 
 
 def _inputs(plan: AttentionPlan) -> tuple[tuple[int, ...], int, torch.dtype, tuple[int, int, int]]:
@@ -189,9 +165,17 @@ def _operands(
         return pointers, None
     if kind == "quantized":
         return quantized_operands(pointers, geometry, device_index, prepass)
+    g = geometry
     planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass) if split is None else split[:2]
-    operands, maps = plane_operands(planes, colmax, geometry, pointers[3:])
-    return operands, (maps, planes)
+    base, half = planes.data_ptr(), 2
+    q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
+    k_bytes = 2 * g.planes * g.k_count * g.head_dim * half
+    maps = [
+        tensor_maps.map_at(_split_plane_rows(address, g.planes, count, g.head_dim), g.head_dim, torch.float16,
+                           _SPLIT_BOX_ROWS)
+        for address, count in ((base, g.q_count), (base + q_bytes, g.k_count), (base + q_bytes + k_bytes, g.k_count))
+    ]  # fmt: skip
+    return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), (maps, planes)
 
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
@@ -204,6 +188,80 @@ _OPERAND_KINDS = {
 def _with_maps(maps: list[tuple[ctypes.Array, int]], pointers: tuple[int, ...]) -> tuple[int, ...]:
     """The three maps' addresses (passed by value: `runtime.launch` copies their bytes), then `pointers`."""
     return (*(address for _, address in maps), *pointers)
+
+
+def _split_plane_rows(address: int, planes: int, rows: int, head_dim: int) -> tensor_maps.Planes:
+    """The split's hi then lo planes of one tensor, `[2 * planes, rows, head_dim]` float16 at `address`,
+    as `2 * planes` heads of one batch."""
+    return tensor_maps.Planes(address, 2 * planes, rows, 1, rows * head_dim, head_dim, 2 * planes * rows * head_dim)
+
+
+_SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5
+
+
+@functools.cache
+def _device(device_index: int) -> torch.device:
+    return torch.device("cuda", device_index)
+
+
+_SPLIT_BOX_ROWS = 64
+
+
+def _split_buffers(
+    groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int, one_allocation: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split planes (float16, flat, `geometry.split_halves`) and zeroed column maxima (int32 `[3, groups, D]`)
+    on the device: views of one allocation where `one_allocation` (a custom op's outputs may not alias)."""
+    halves, device = split_halves(groups, q_rows, k_rows, head_dim), _device(device_index)
+    if one_allocation:
+        workspace = torch.empty(halves + 6 * groups * head_dim, dtype=torch.float16, device=device)
+        planes, colmax = workspace[:halves], workspace[halves:].view(torch.int32).view(3, groups, head_dim)
+    else:
+        planes = torch.empty(halves, dtype=torch.float16, device=device)
+        colmax = torch.empty((3, groups, head_dim), dtype=torch.int32, device=device)
+    runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
+    return planes, colmax
+
+
+def _two_phases(
+    function: int, device_index: int, grid: tuple[int, int, int], threads: int, signature: tuple[Any, ...],
+    args: tuple[Any, ...],
+) -> None:  # fmt: skip
+    """Launch a two-phase entry (the split's, the split prologue's): `args`, then phase 0 and phase 1."""
+    for phase in (0, 1):
+        runtime.launch(function, device_index, grid, threads, 0, signature, (*args, phase))
+
+
+def split_planes(
+    pointers: tuple[int, int, int], geometry: Geometry, device_index: int, function: int, one_allocation: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's f32 q, k, v (first-row addresses, `geometry`) as scaled float16 hi/lo planes,
+    by the split kernel's two phases (`function`: its loaded `CUfunction` handle, `pass_rows.split_variant`'s).
+
+    Returns the planes (float16, flat: q's `[2 (hi, lo), planes, q_count, D]`, then k's and v's,
+    each `[2, planes, k_count, D]`) and the column maxima `[3, planes, D]` (f32 bit patterns as
+    int32) that give each group's scale, views of one allocation unless not `one_allocation`.
+    """
+    g = geometry
+    planes, colmax = _split_buffers(g.planes, g.q_count, g.k_count, g.head_dim, device_index, one_allocation)
+    grid = (g.planes, -(-max(g.q_count, g.k_count) // SPLIT.rows_per_block), 3)
+    args = (*pointers, planes.data_ptr(), colmax.data_ptr(), g.q_count, g.k_count, g.q_pitch, g.kv_pitch)
+    _two_phases(function, device_index, grid, SPLIT.threads, _SPLIT_SIGNATURE, args)
+    return planes, colmax
+
+
+def split_qkv_cuda(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, one_allocation: bool = True
+) -> SplitPlanes:
+    """Contiguous float32 q, k, v `[B, H, N, D]` on CUDA (D = 128) through the split kernel: the planes the
+    fp16x3 kernel reads (`split_planes` on all rows; `one_allocation` as there)."""
+    batch, heads, seq, head_dim = query.shape
+    device_index = query.device.index
+    geometry = Geometry(batch * heads, seq, seq, seq, seq, head_dim, torch.float32, heads, 0.0)
+    function = nvrtc.function(split_variant(head_dim), device_index)
+    pointers = (query.data_ptr(), key.data_ptr(), value.data_ptr())
+    planes, colmax = split_planes(pointers, geometry, device_index, function, one_allocation)
+    return SplitPlanes(planes, colmax, heads, seq)
 
 
 _PROLOGUE_SIGNATURE = (_U64,) * 15 + (_U64,) * 4 + (_U32,) * 5 + (_F32, _F32, ctypes.c_int32)
@@ -222,7 +280,7 @@ def qkv_prologue_cuda(
     are the three planes of one `[3, B, H, N, D]` allocation.
     """
     shape = (layout.batch, layout.heads, layout.seq, layout.head_dim)
-    device = runtime.cuda_device(layout.device_index)
+    device = _device(layout.device_index)
     if one_allocation and kv_gap == 0:
         outs = torch.empty((3, *shape), dtype=out_dtype, device=device).unbind(0)
     else:
@@ -252,11 +310,11 @@ def qkv_prologue_split_cuda(layout: PrologueLayout, one_allocation: bool = False
     kernel makes of them (`split_qkv_cuda`), bit for bit, with no f32 q, k, v in between. `one_allocation`
     (eager calls): planes and maxima are views of one allocation."""
     groups, seq = layout.batch * layout.heads, layout.seq
-    planes, colmax = split_buffers(groups, seq, seq, layout.head_dim, layout.device_index, one_allocation)
+    planes, colmax = _split_buffers(groups, seq, seq, layout.head_dim, layout.device_index, one_allocation)
     variant = prologue_split_variant(layout.head_dim, DTYPE_NAMES[layout.dtype])
     grid = (groups, -(-seq // variant.spec.rows_per_block), 3)
     outs = (planes.data_ptr(), colmax.data_ptr())
     args = (*layout.pointers, *outs, *layout.strides, layout.text_len, seq, layout.heads, *layout.eps, int(layout.rope))
     function = nvrtc.function(variant, layout.device_index)
-    two_phases(function, layout.device_index, grid, variant.spec.threads, _PROLOGUE_SPLIT_SIGNATURE, args)
+    _two_phases(function, layout.device_index, grid, variant.spec.threads, _PROLOGUE_SPLIT_SIGNATURE, args)
     return SplitPlanes(planes, colmax, layout.heads, seq)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,9 +34,6 @@ from .registry import (
     kernels_for,
 )
 from .selection import NoKernelError, Problem, Selection, select_kernel
-
-if TYPE_CHECKING:
-    from .split_launch import SplitReplay
 
 _VALID_CHOICES = {
     (kernel, in_dtype, out_dtype)
@@ -73,8 +70,7 @@ class AttentionPlan(NamedTuple):
     `value`: `[B, H, N, D]` as the kernel reads them. `written`: what the kernel writes, `[B, Nq, H*D]` in its
     output dtype. `out`: the caller's destination (None: a new tensor), `out_dtype` its dtype. `lse`:
     `[B, Nq, H]` float32 or None; `key_lens`: int32 `[B]` or None; `window`: the rows computed; `scale`: the
-    logit scale; `launch`: the kernel's launch with its arguments already filled (`launch.prepare`, for
-    `plan_memo`'s replays), or None;
+    logit scale; `launch`: the kernel's launch with its arguments already filled (`plan_memo`'s replays), or None;
     `split`: q, k, v already split (`plan_split_attention`; `query`, `key`, `value` are then None).
     """
 
@@ -91,7 +87,7 @@ class AttentionPlan(NamedTuple):
     key_lens: torch.Tensor | None
     window: Window
     scale: float
-    launch: runtime.PreparedLaunch | SplitReplay | None = None
+    launch: runtime.PreparedLaunch | None = None
     split: SplitPlanes | None = None
 
 

@@ -7,15 +7,13 @@ dtype as passed);
 `remember` keeps the plan of a call once its launch is built, and `launch_replay` runs it for a call with the
 same key, into a fresh output, the launch arguments already built. A replayed call skips validation (its facts
 passed it before), the kernel's resolution and the tensor-map encodes: it costs the key, one allocation and the
-launch (for the fp16x3 kernel: a second allocation, the split's workspace, a memset and the split's two
-launches; `split_launch.SplitReplay`, which hands the call back to the full path when the workspace's address is
-not the remembered one).
+launch.
 
-Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast; the
-fp16x3 kernel's split prepass is the one prepass replayed) into a new output of the requested dtype, over all
-rows, without log-sum-exp. Key counts are named by their tensor's facts too (the backend passes the same cached
-counts for every call under one mask). No tensor is held, so a remembered call keeps nothing alive; tensor maps
-stay referenced by their entry. At most `MEMO_SIZE` entries, the oldest evicted first.
+Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast, no
+prepass) into a new output of the requested dtype, over all rows, without log-sum-exp. Key counts are named by
+their tensor's facts too (the backend passes the same cached counts for every call under one mask). No tensor
+is held, so a remembered call keeps nothing alive; tensor maps stay referenced by their entry. At most
+`MEMO_SIZE` entries, the oldest evicted first.
 """
 
 from __future__ import annotations
@@ -26,13 +24,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import launch
-from .geometry import full_window
+from . import launch, runtime
+from .geometry import OUT_OPERAND, full_window
 from .plan import AttentionPlan
 
 MEMO_SIZE = 512
 """Entries kept: more than the distinct attention calls of one step of the largest diffusers models."""
-_PREPARED_OPERANDS = ("pointers", "tensor_maps", "split_planes")
+_PREPARED_OPERANDS = ("pointers", "tensor_maps")
 
 
 class _Entry(NamedTuple):
@@ -72,7 +70,8 @@ def launch_replay(call: tuple[Any, ...], shape: torch.Size | None = None) -> tor
     if entry is None:
         return None
     out = torch.empty(entry.out_shape if shape is None else shape, dtype=entry.out_dtype, device=entry.device)
-    return out if launch.launch_attention(entry.plan, out) else None
+    launch.launch_attention(entry.plan, out)
+    return out
 
 
 def remember(
@@ -100,7 +99,7 @@ def remember(
     )
     if not qualifies:
         return plan
-    plan = plan._replace(launch=launch.prepare(plan))
+    plan = plan._replace(launch=runtime.PreparedLaunch(plan.function, launch.attention_launch(plan), OUT_OPERAND))
     template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None)  # addresses: in the launch
     _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
     return plan

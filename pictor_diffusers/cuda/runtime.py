@@ -57,12 +57,6 @@ def import_cupy() -> Any:
     return cupy
 
 
-@functools.cache
-def cuda_device(device_index: int) -> torch.device:
-    """`torch.device("cuda", device_index)`, made once."""
-    return torch.device("cuda", device_index)
-
-
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -138,29 +132,25 @@ def _slots(signature: tuple[Any, ...]) -> _ArgSlots:
 
 class PreparedLaunch:
     """A built launch (`geometry.Launch`) of `function_handle` with its arguments filled once (checked as
-    `launch` checks them); `run(out_pointer)` changes only the output's address, at argument `out_index` (None:
-    no argument changes), and launches on torch's current stream. It owns its argument slots, under a lock, so
-    threads replaying one launch never mix their outputs; `built.keep` stays referenced (the tensor maps the
-    arguments point to)."""
+    `launch` checks them); `run(out_pointer)` changes only the output's address, at argument `out_index`, and
+    launches on torch's current stream. It owns its argument slots, under a lock, so threads replaying one
+    launch never mix their outputs; `built.keep` stays referenced (the tensor maps the arguments point to)."""
 
     __slots__ = ("_address", "_lock", "_out", "_slots", "built", "function_handle")
 
-    def __init__(self, function_handle: int, built: Launch, out_index: int | None = None) -> None:
+    def __init__(self, function_handle: int, built: Launch, out_index: int) -> None:
         self.function_handle, self.built = function_handle, built
         self._slots = _ArgSlots(built.signature)  # owns the argument array `_address` points to
         self._address = self._slots.fill(built.args)
-        self._out = None if out_index is None else self._slots.values[out_index]
+        self._out = self._slots.values[out_index]
         self._lock = threading.Lock()
 
-    def run(self, out_pointer: int | None = None) -> bool:
-        """Launch (writing to `out_pointer`, where the launch has an output argument); always True (it ran)."""
+    def run(self, out_pointer: int) -> None:
         built = self.built
         with self._lock:
-            if self._out is not None:
-                self._out.value = out_pointer
+            self._out.value = out_pointer
             _launch_params(self.function_handle, built.device_index, built.grid, built.threads, built.shared_bytes,
                            self._address)  # fmt: skip
-        return True
 
 
 def launch(

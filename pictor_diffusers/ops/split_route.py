@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..cuda.geometry import SplitPlanes, split_halves
-from ..cuda.launch import qkv_prologue_split_cuda, run
+from ..cuda.launch import qkv_prologue_split_cuda, run, split_qkv_cuda
 from ..cuda.plan import plan_split_attention, selects_split_planes
 from ..cuda.prologue_layout import prologue_layout
-from ..cuda.split_launch import split_qkv_cuda
 from ..dtypes import DTYPE_NAMES, DTYPES
 from .custom_ops import inference_op, needs_op
 from .prologue import Rope, Segment, pack_head_major_torch, rms_args, rms_norms, rope_tables
