@@ -5,7 +5,7 @@
      common.cuh         any arch: reductions, fast math, 16-bit packing and stores, shared addresses
      attention_io.cuh   any arch: the attention kernels' operands and per-batch key counts
      tile_schedule.cuh  any arch: the work tiles of an attention launch and which block runs each
-     epilogue.cuh       any arch: a warpgroup's finished rows, rounded, then stored token-major
+     epilogue.cuh       any arch: a warpgroup's finished rows, rounded; their log-sum-exp stored
      softmax.cuh        any arch: the online softmax on mma.sync / wgmma accumulator tiles, the LSE
      fp16_split.cuh     any arch: f32 -> scaled float16 hi + lo (split_fp16x2.cu, qkv_prologue_split.cu,
                         flash_attn_fp16x3.cu)
@@ -16,6 +16,7 @@
      sm80_mma.cuh       sm_80+: cp.async, ldmatrix and mma.sync (flash_attn_mma16.cu, flash_attn_tf32x3.cu)
      sm90_pipeline.cuh  sm_90a: TMA copies, the mbarrier K/V ring, the producer and consumer warpgroups
      sm90_wgmma.cuh     sm_90a: wgmma descriptors, instructions and their ordering
+     sm90_store.cuh     sm_90a: finished rows staged in shared memory (stmatrix), stored by TMA
    The three Hopper kernels (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu) keep only
    their shared-memory map, tile copies, main loop and epilogue; the pipeline and the instructions are
    shared, as FlashAttention-3's hopper/ keeps pipeline, main loop, softmax and epilogue apart.

@@ -2,12 +2,11 @@
 
    A warpgroup holds 64 query rows of a work tile (pk_work, tile_schedule.cuh) as 4 warps x 16 rows of
    m64nD accumulators (softmax.cuh's layout: thread (g, t) of warp w holds rows 16w + g and 16w + g + 8,
-   columns 8n + 2t and 8n + 2t + 1). Finishing them takes two steps, rounding and then the stores (rounding
-   all of a thread's values first: half the STG instructions in SASS, within 1% on the H100 at long keys):
+   columns 8n + 2t and 8n + 2t + 1). Finishing them: round every value first, then write (the 16-bit rows
+   go out through shared memory, sm90_store.cuh; the LSE from registers):
      pk_out_rows<D>          a thread's rounded rows: O / l packed two per register, the LSE, the tile
      pk_round_out<KIND, D>   accumulators and running softmax (m in log2 units, l per thread) -> rows
-     pk_write_out<D>         the rows into out (token-major [batch, out_pitch, heads * D], dtype KIND)
-                             and lse ([batch, out_pitch, heads] f32, natural log, or null) */
+     pk_write_lse<D>         the rows' LSE into lse ([batch, out_pitch, heads] f32, natural log, or null) */
 
 #ifndef PICTOR_EPILOGUE_CUH
 #define PICTOR_EPILOGUE_CUH
@@ -38,24 +37,18 @@ __device__ __forceinline__ void pk_round_out(pk_out_rows<D>& r, const float* o, 
     }
 }
 
-/* The rows of `r` (the warpgroup's first row in its tile: rows0) into out and lse; rows >= seq_q are
-   not written. */
+/* The log-sum-exp of `r`'s rows (the warpgroup's first row in its tile: rows0) into lse ([batch,
+   out_pitch, num_heads] f32, natural log), one thread per row; rows >= seq_q are not written. */
 template <int D>
-__device__ __forceinline__ void pk_write_out(const pk_out_rows<D>& r, unsigned int rows0, unsigned short* __restrict__ out,
-                                             float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
-                                             unsigned int out_pitch)
+__device__ __forceinline__ void pk_write_lse(const pk_out_rows<D>& r, unsigned int rows0, float* __restrict__ lse,
+                                             unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
 {
-    const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2, t = threadIdx.x & 3u;
-    const unsigned long long inner = (unsigned long long)num_heads * D;
+    if (lse == nullptr || (threadIdx.x & 3u) != 0) return;
+    const unsigned int warp = (threadIdx.x / 32) & 3u, g = (threadIdx.x & 31u) >> 2;
     #pragma unroll
     for (int row = 0; row < 2; row++) {
         const unsigned int q = r.wk.q0 + rows0 + warp * 16 + g + 8 * row;
-        if (q >= seq_q) continue;
-        const unsigned long long token = (unsigned long long)r.wk.batch * out_pitch + q;
-        unsigned short* dst = out + token * inner + (unsigned long long)r.wk.head * D + 2 * t;
-        if (t == 0 && lse != nullptr) lse[token * num_heads + r.wk.head] = r.lse[row];
-        #pragma unroll
-        for (int n = 0; n < D / 8; n++) *(unsigned int*)(dst + 8 * n) = r.packed[2 * n + row];
+        if (q < seq_q) lse[((unsigned long long)r.wk.batch * out_pitch + q) * num_heads + r.wk.head] = r.lse[row];
     }
 }
 

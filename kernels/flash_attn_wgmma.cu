@@ -21,11 +21,14 @@
    buffered, so the next tile's Q and keys load during the current one.
    Between two work tiles, the next tile's first S is issued with the last
    P.V of the one before, its softmax runs while that P.V is in flight, and
-   the finished tile's rows are then rounded and stored (epilogue.cuh).
-   (Storing them later, while the next tile's second key tile is in the
-   tensor cores, measured 3-15% slower at 300-512 keys on the H100.)
+   the finished tile's rows are then rounded (epilogue.cuh) and stored.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences).
+   Stores: each consumer warpgroup stages its rounded rows in shared memory
+   (stmatrix) and one of its threads writes them with bulk tensor copies
+   (sm90_store.cuh): into an output tile of their own in the persistent
+   build, into the work tile's Q tile (read for the last time by then) in
+   the other.
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
    sm90_wgmma.cuh's, the schedule tile_schedule.cuh's; this file holds the
    shared-memory map, the tile copies and the main loop.
@@ -41,11 +44,12 @@
        block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers), one
                block per SM at a time
        dynamic shared memory = WG_SMEM_BYTES: WG_Q_BUFS = 1 + WG_PERSISTENT Q
-       tiles, WG_STAGES x (K tile, V tile), 128 x WG_D 16-bit each, stored
-       as WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
-       swizzle; 1 KiB of alignment slack; then 8 x (4 + 4 WG_STAGES) bytes
-       of mbarriers. At WG_D = 128: 230,528 bytes (WG_PERSISTENT=0, 3
-       stages) and 197,728 (=1, 2 stages).
+       tiles, WG_STAGES x (K tile, V tile), WG_PERSISTENT output tiles,
+       128 x WG_D 16-bit each, stored as WG_D / 64 slabs of 64 columns,
+       128-byte rows in TMA's 128-byte swizzle; 1 KiB of alignment slack;
+       then 8 x (4 + 4 WG_STAGES) bytes of mbarriers. At WG_D = 128:
+       230,528 bytes (WG_PERSISTENT=0, 3 stages) and 230,496 (=1, 2
+       stages).
    Matrix products: wgmma.mma_async, f32 accumulators; m64n128k16 for S and
    m64n{WG_D}k16 for O.
        S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
@@ -63,7 +67,10 @@
                  128-byte swizzle); rows past the window are zero-filled by
                  the copy engine, and keys >= seq_k masked
        out     : token-major [batch, out_pitch, num_heads * WG_D], same dtype,
-                 offset by the host to the window's first row
+                 offset by the host to the window's first row; written
+                 through tm_o (dims WG_D, num_heads, seq_q, batch; box 64 x
+                 1 x 64 x 1; 128-byte swizzle), rows past seq_q dropped by
+                 the copy engine; the pointer serves batches without keys
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
                  batch b attends its first key_lens[b] keys (attention_io.cuh)
@@ -76,6 +83,7 @@
 #include "attention_io.cuh"
 #include "epilogue.cuh"
 #include "sm90_pipeline.cuh"
+#include "sm90_store.cuh"
 #include "sm90_wgmma.cuh"
 #include "softmax.cuh"
 #include "tile_schedule.cuh"
@@ -99,14 +107,15 @@
 #define WG_TILE_BYTES (WG_SLABS * WG_SLAB_BYTES)    /* 128 rows x WG_D columns */
 #define WG_O_REGS (WG_D / 2)                 /* a consumer thread's output accumulators */
 #define WG_Q_BUFS (1 + WG_PERSISTENT)        /* Q tiles: the persistent build loads the next work tile's early */
+#define WG_O_BUFS WG_PERSISTENT              /* output tiles: the persistent build's own staging area */
 #define WG_BARRIER_BYTES (8 * (4 + 4 * WG_STAGES))   /* the ring's, q_full of Q tile 1, q_free of both */
 static_assert(WG_BQ == 128 && WG_BK == 128,
               "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
 static_assert(WG_THREADS == PK_THREADS,
               "WG_THREADS must be 384: one producer and two consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
-static_assert(WG_SMEM_BYTES == 1024 + (WG_Q_BUFS + 2 * WG_STAGES) * WG_TILE_BYTES + WG_BARRIER_BYTES,
-              "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K stages | V stages | mbarriers");
+static_assert(WG_SMEM_BYTES == 1024 + (WG_Q_BUFS + 2 * WG_STAGES + WG_O_BUFS) * WG_TILE_BYTES + WG_BARRIER_BYTES,
+              "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K stages | V stages | output tile | mbarriers");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
 /* Every slab of a 128 x WG_D tile, completing on `bar`. */
@@ -122,15 +131,16 @@ __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_m
 
 /* ---- roles ---- */
 
-/* Shared-memory map: WG_Q_BUFS Q tiles, K tiles, V tiles (1024-byte aligned for the swizzle), then the
-   ring's mbarriers (q_full is Q tile 0's), Q tile 1's full mbarrier and both Q tiles' free ones (the
-   consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS, in that tile's
+/* Shared-memory map: WG_Q_BUFS Q tiles, K tiles, V tiles, WG_O_BUFS output tiles (1024-byte aligned for
+   the swizzle), then the ring's mbarriers (q_full is Q tile 0's), Q tile 1's full mbarrier and both Q
+   tiles' free ones (the consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS, in that tile's
    phase round / WG_Q_BUFS. Addresses are computed, not indexed, so nothing lands in local memory. */
 struct wg_smem : pk_ring<WG_STAGES> {
     unsigned int base;
     __device__ unsigned int q(unsigned int round) const { return base + (round % WG_Q_BUFS) * WG_TILE_BYTES; }
     __device__ unsigned int k(unsigned int s) const { return base + (WG_Q_BUFS + s) * WG_TILE_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + (WG_Q_BUFS + WG_STAGES + s) * WG_TILE_BYTES; }
+    __device__ unsigned int o() const { return base + (WG_Q_BUFS + 2 * WG_STAGES) * WG_TILE_BYTES; }
     __device__ unsigned int q_full_of(unsigned int round) const
     {
         return round % WG_Q_BUFS ? bars + 8 * (1 + 4 * WG_STAGES) : q_full();
@@ -146,7 +156,7 @@ __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 {
     wg_smem m;
     m.base = pk_smem_base(raw);
-    m.bars = m.base + (WG_Q_BUFS + 2 * WG_STAGES) * WG_TILE_BYTES;
+    m.bars = m.base + (WG_Q_BUFS + 2 * WG_STAGES + WG_O_BUFS) * WG_TILE_BYTES;
     return m;
 }
 
@@ -238,7 +248,21 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     }
 }
 
-#define WG_OUT_ARGS out, lse, sched.num_heads, seq_q, out_pitch
+/* Where a work tile's results go: its 16-bit rows through `map` (tm_o), rows of batches without keys
+   through `out`, the LSE into `lse` (or nowhere: null). */
+struct wg_out {
+    const pk_tensor_map* map;
+    unsigned short* out;
+    float* lse;
+    unsigned int num_heads, seq_q, out_pitch;
+};
+
+/* A warpgroup's rounded rows, through the tile at `area`, and their LSE. */
+__device__ __forceinline__ void wg_store_rows(const pk_out_rows<WG_D>& r, unsigned int area, const wg_out& dst)
+{
+    pk_store_tile<WG_D>(r, area, dst.map);
+    pk_write_lse<WG_D>(r, wg_rows0(), dst.lse, dst.num_heads, dst.seq_q, dst.out_pitch);
+}
 
 /* Key tile j of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax while the P.V
    product is in flight. */
@@ -280,10 +304,10 @@ __device__ __forceinline__ void wg_zero_o(wg_acc& a)
     for (int i = 0; i < WG_O_REGS; i++) a.o[i] = 0.f;
 }
 
-/* The last P.V of a work tile whose last key tile is the ring's tile `last`, then its store. */
+/* The last P.V of a work tile whose last key tile is the ring's tile `last`, then its store through the
+   tile at `area`, drained before the block exits. */
 __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int last,
-                                          unsigned short* __restrict__ out, float* __restrict__ lse,
-                                          unsigned int num_heads, unsigned int seq_q, unsigned int out_pitch)
+                                          unsigned int area, const wg_out& dst)
 {
     m.wait_v(last % WG_STAGES, last);
     pk_pin<WG_O_REGS>(a.o);
@@ -293,24 +317,22 @@ __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_
     pk_pin<WG_O_REGS>(a.o);
     pk_out_rows<WG_D> r;
     pk_round_out<WG_IN_KIND, WG_D>(r, a.o, a.m_run, a.l_run, wk);
-    pk_write_out<WG_D>(r, wg_rows0(), out, lse, num_heads, seq_q, out_pitch);
+    wg_store_rows(r, area, dst);
+    pk_store_drain();
 }
 
 /* A work tile whose batch has no keys: rows of 0 and LSE -inf (attention_io.cuh); nothing from the ring. */
-__device__ __forceinline__ void wg_store_keyless(const pk_work& t, unsigned short* __restrict__ out,
-                                                 float* __restrict__ lse, unsigned int num_heads, unsigned int seq_q,
-                                                 unsigned int out_pitch)
+__device__ __forceinline__ void wg_store_keyless(const pk_work& t, const wg_out& dst)
 {
-    pk_store_keyless_tile<WG_IN_KIND>(out, lse, t.q0, WG_BQ, t.head, t.batch, seq_q, num_heads, WG_D, out_pitch,
-                                      threadIdx.x - 128, WG_THREADS - 128);
+    pk_store_keyless_tile<WG_IN_KIND>(dst.out, dst.lse, t.q0, WG_BQ, t.head, t.batch, dst.seq_q, dst.num_heads, WG_D,
+                                      dst.out_pitch, threadIdx.x - 128, WG_THREADS - 128);
 }
 
 /* The consumer warpgroups, persistent build: the work tiles in the producer's order. Between two tiles
    with keys, the next one's first S runs alongside the last P.V of the one before, whose rows are stored
    once that P.V is done. */
-__device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched,
-                                                      unsigned short* __restrict__ out, float* __restrict__ lse,
-                                                      unsigned int seq_q, unsigned int out_pitch, float scale_log2)
+__device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched, const wg_out& dst,
+                                                      float scale_log2)
 {
     wg_acc a;
     pk_work held;   /* the work tile whose last P.V is pending */
@@ -319,7 +341,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         if (w >= sched.n_work) return;
         held = sched.at(w);
         if (sched.has_keys(held)) break;
-        wg_store_keyless(held, WG_OUT_ARGS);
+        wg_store_keyless(held, dst);
     }
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
@@ -330,7 +352,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
     for (w += gridDim.x; w < sched.n_work; w += gridDim.x) {
         const pk_work t = sched.at(w);
         if (!sched.has_keys(t)) {
-            wg_store_keyless(t, WG_OUT_ARGS);
+            wg_store_keyless(t, dst);
             continue;
         }
         float m_run[2], l_run[2];
@@ -338,7 +360,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         pk_pack_p<WG_IN_KIND>(a.p, a.s);
         pk_out_rows<WG_D> done;
         pk_round_out<WG_IN_KIND, WG_D>(done, a.o, a.m_run, a.l_run, held);   /* with the held tile's softmax state */
-        pk_write_out<WG_D>(done, wg_rows0(), WG_OUT_ARGS);
+        wg_store_rows(done, m.o(), dst);
         wg_zero_o(a);
         #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -351,17 +373,16 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         first += t.n_tiles;
         round++;
     }
-    wg_finish(m, a, held, first - 1, WG_OUT_ARGS);
+    wg_finish(m, a, held, first - 1, m.o(), dst);
 }
 
 /* The consumer warpgroups, one block per work tile. */
-__device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedule& sched,
-                                               unsigned short* __restrict__ out, float* __restrict__ lse,
-                                               unsigned int seq_q, unsigned int out_pitch, float scale_log2)
+__device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedule& sched, const wg_out& dst,
+                                               float scale_log2)
 {
     const pk_work t = sched.own();
     if (!sched.has_keys(t)) {
-        wg_store_keyless(t, WG_OUT_ARGS);
+        wg_store_keyless(t, dst);
         return;
     }
     wg_acc a;
@@ -369,12 +390,13 @@ __device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedu
     wg_first_keys<false>(m, a, a.m_run, a.l_run, t, 0, 0, scale_log2);
     pk_pack_p<WG_IN_KIND>(a.p, a.s);
     wg_key_loop(m, a, t, 0, 0, scale_log2);
-    wg_finish(m, a, t, t.n_tiles - 1, WG_OUT_ARGS);
+    wg_finish(m, a, t, t.n_tiles - 1, m.q(0), dst);   /* the last S has read Q */
 }
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 joint_attention_wgmma(
     PK_MAP_OPERANDS(unsigned short),
+    const __grid_constant__ pk_tensor_map tm_o,
     PK_MAP_SCALARS,
     float scale_log2, unsigned int batch)
 {
@@ -386,11 +408,11 @@ joint_attention_wgmma(
         pk_bar_init(m.q_free(0), PK_CONSUMER_WARPS);
         pk_bar_init(m.q_free(1), PK_CONSUMER_WARPS);
     }
+    const wg_out dst = {&tm_o, out, lse, sched.num_heads, seq_q, out_pitch};
 #if WG_PERSISTENT
     m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
-          [&] { wg_consume_persistent(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
+          [&] { wg_consume_persistent(m, sched, dst, scale_log2); });
 #else
-    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
-          [&] { wg_consume_own(m, sched, out, lse, seq_q, out_pitch, scale_log2); });
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); }, [&] { wg_consume_own(m, sched, dst, scale_log2); });
 #endif
 }

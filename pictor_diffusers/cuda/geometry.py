@@ -60,6 +60,8 @@ class Launch(NamedTuple):
 
 OUT_OPERAND = 3
 """Every operand kind lists q, k, v (pointers or maps), then the output's address."""
+OUT_MAP_OPERAND = 6
+"""The "tensor_maps" kind's kernel (wgmma) stores through a map of its output, after the key counts."""
 
 
 def split_halves(planes: int, q_rows: int, k_rows: int, head_dim: int) -> int:

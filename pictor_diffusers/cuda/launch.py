@@ -14,13 +14,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..dtypes import DTYPE_NAMES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import Geometry, Launch, SplitPlanes, Window, split_halves
+from .geometry import OUT_MAP_OPERAND, OUT_OPERAND, Geometry, Launch, SplitPlanes, Window, split_halves
 from .pass_rows import SPLIT, prologue_split_variant, prologue_variant, split_variant
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
@@ -82,6 +83,27 @@ def launch_attention(plan: AttentionPlan, written: torch.Tensor | None = None) -
                    launch.signature, launch.args)  # fmt: skip
 
 
+def prepare(plan: AttentionPlan) -> runtime.PreparedLaunch:
+    """The plan's launch with its arguments filled once, for `plan_memo` to replay into a new output (the
+    wgmma kernel's through a map of that output)."""
+    tensor_maps_kind = plan.selection.variant.spec.operands == "tensor_maps"
+    out_map = (OUT_MAP_OPERAND, _out_map_at(plan)) if tensor_maps_kind else None
+    return runtime.PreparedLaunch(plan.function, attention_launch(plan), OUT_OPERAND, out_map)
+
+
+def _out_map_at(plan: AttentionPlan) -> Callable[[int], tuple[ctypes.Array, int]]:
+    """The map of the plan's output window (`tensor_maps.STORE_BOX_ROWS`-row boxes) whose first row is at a
+    given address (the kernel's output operand: the plan's `written`, or a replay's fresh output)."""
+    window, written, heads = plan.window, plan.written, plan.query.shape[1]
+    planes = tensor_maps.out_planes(written, heads, window.q_start, window.q_stop)
+    head_dim, dtype = written.shape[2] // heads, written.dtype
+
+    def map_at(address: int) -> tuple[ctypes.Array, int]:  # holds no tensor: a memo entry keeps none alive
+        return tensor_maps.map_at(planes._replace(pointer=address), head_dim, dtype, tensor_maps.STORE_BOX_ROWS)
+
+    return map_at
+
+
 def attention_launch(plan: AttentionPlan) -> Launch:
     """The launch of the plan's kernel variant, its arguments built (running the prepass first, where its
     operands need one and the plan's q, k, v are not split already)."""
@@ -109,7 +131,8 @@ def attention_launch(plan: AttentionPlan) -> Launch:
                                    (plan.key, window.k_start, window.k_stop),
                                    (plan.value, window.k_start, window.k_stop))
         ]  # fmt: skip
-        operands, keep = _with_maps(maps, pointers[3:]), maps
+        out_map = _out_map_at(plan)(pointers[3])
+        operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1]), (maps, out_map)
     else:
         geometry = Geometry(
             batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
@@ -180,7 +203,7 @@ def _operands(
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
 _OPERAND_KINDS = {
-    "pointers": (_U64,) * 6, "tensor_maps": _MAP_KINDS, "split_planes": (*_MAP_KINDS, _U64),
+    "pointers": (_U64,) * 6, "tensor_maps": (*_MAP_KINDS, None), "split_planes": (*_MAP_KINDS, _U64),
     "quantized": (*_MAP_KINDS, _U64, _U64, _U64, _U64),
 }  # fmt: skip
 

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import launch, runtime
-from .geometry import OUT_OPERAND, full_window
+from . import launch
+from .geometry import full_window
 from .plan import AttentionPlan
 
 MEMO_SIZE = 512
@@ -99,7 +99,7 @@ def remember(
     )
     if not qualifies:
         return plan
-    plan = plan._replace(launch=runtime.PreparedLaunch(plan.function, launch.attention_launch(plan), OUT_OPERAND))
+    plan = plan._replace(launch=launch.prepare(plan))
     template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None)  # addresses: in the launch
     _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
     return plan

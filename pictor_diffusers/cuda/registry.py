@@ -33,9 +33,9 @@ def _fp8_smem(d: int) -> int:
     return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
 
 
-def _wgmma_smem(d: int, q_tiles: int, stages: int) -> int:
-    """Alignment slack, Q tiles and stages of K and V (128 x d 16-bit each), mbarriers."""
-    return 1024 + (q_tiles + 2 * stages) * 128 * d * 2 + 8 * (4 + 4 * stages)
+def _wgmma_smem(d: int, q_tiles: int, stages: int, out_tiles: int = 0) -> int:
+    """Alignment slack, Q tiles, stages of K and V and output staging tiles (128 x d 16-bit each), mbarriers."""
+    return 1024 + (q_tiles + 2 * stages + out_tiles) * 128 * d * 2 + 8 * (4 + 4 * stages)
 
 
 def _fp16x3_smem(d: int) -> int:
@@ -172,7 +172,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         scalars=(*MAP_SCALARS, "batch"),
         persistent=True,
         persistent_geometry={"STAGES": "2"},
-        persistent_shared_bytes=lambda d: _wgmma_smem(d, q_tiles=2, stages=2),
+        persistent_shared_bytes=lambda d: _wgmma_smem(d, q_tiles=2, stages=2, out_tiles=1),
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(

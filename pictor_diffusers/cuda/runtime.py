@@ -14,6 +14,7 @@ import ctypes
 import functools
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,22 +134,32 @@ def _slots(signature: tuple[Any, ...]) -> _ArgSlots:
 class PreparedLaunch:
     """A built launch (`geometry.Launch`) of `function_handle` with its arguments filled once (checked as
     `launch` checks them); `run(out_pointer)` changes only the output's address, at argument `out_index`, and
-    launches on torch's current stream. It owns its argument slots, under a lock, so threads replaying one
-    launch never mix their outputs; `built.keep` stays referenced (the tensor maps the arguments point to)."""
+    with `out_map` = (index, map_at) the map of the output at argument `index` (`map_at(out_pointer)` ->
+    (owning buffer, map address); looked up only when the address moved), then launches on torch's current
+    stream. It owns its argument slots, under a lock, so threads replaying one launch never mix their outputs;
+    `built.keep` stays referenced (the tensor maps the arguments point to)."""
 
-    __slots__ = ("_address", "_lock", "_out", "_slots", "built", "function_handle")
+    __slots__ = ("_address", "_lock", "_map", "_mapped", "_out", "_slots", "built", "function_handle")
 
-    def __init__(self, function_handle: int, built: Launch, out_index: int) -> None:
+    def __init__(
+        self, function_handle: int, built: Launch, out_index: int,
+        out_map: tuple[int, Callable[[int], tuple[Any, int]]] | None = None,
+    ) -> None:  # fmt: skip
         self.function_handle, self.built = function_handle, built
         self._slots = _ArgSlots(built.signature)  # owns the argument array `_address` points to
         self._address = self._slots.fill(built.args)
         self._out = self._slots.values[out_index]
+        self._map, self._mapped = out_map, (built.args[out_index], None)
         self._lock = threading.Lock()
 
     def run(self, out_pointer: int) -> None:
         built = self.built
         with self._lock:
             self._out.value = out_pointer
+            if self._map is not None and out_pointer != self._mapped[0]:
+                index, map_at = self._map
+                self._mapped = (out_pointer, map_at(out_pointer))  # the map's buffer stays referenced
+                self._slots.array[index] = self._mapped[1][1]
             _launch_params(self.function_handle, built.device_index, built.grid, built.threads, built.shared_bytes,
                            self._address)  # fmt: skip
 

@@ -22,6 +22,7 @@ HEADERS = (
     "sm80_mma.cuh",
     "sm90_pipeline.cuh",
     "sm90_wgmma.cuh",
+    "sm90_store.cuh",
 )
 """Headers a kernel may `#include "..."` (`common.cuh`'s opening comment gives each one's role);
 NVRTC gets them all in memory."""

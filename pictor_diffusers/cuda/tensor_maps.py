@@ -22,6 +22,8 @@ import torch
 BOX_BYTES, BOX_ROWS = 128, 128
 """One copy: 128 bytes of D (the swizzle span: 64 16-bit or 128 8-bit columns) x 1 head x 128 rows (by
 default) x 1 batch."""
+STORE_BOX_ROWS = 64
+"""Rows of an output map's box: one consumer warpgroup's share of a 128-row work tile."""
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.uint8: 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 CACHE_SIZE = 256
@@ -104,6 +106,12 @@ def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
         pointer, heads, stop - start, batch,
         head_stride if heads > 1 else 8, row_stride if rows > 1 else 8, batch_stride if batch > 1 else 8,
     )  # fmt: skip
+
+
+def out_planes(out: torch.Tensor, heads: int, start: int, stop: int) -> Planes:
+    """`Planes` of rows [start, stop) of a token-major `[B, N, H*D]` output, seen as `[B, H, N, D]`."""
+    batch, rows, width = out.shape
+    return rows_of(out.view(batch, rows, heads, width // heads).transpose(1, 2), start, stop)
 
 
 def readable(tensor: torch.Tensor) -> bool:
