@@ -6,8 +6,8 @@ on (addresses, shapes, strides, dtypes and devices of q, k, v and the key counts
 dtype as passed);
 `remember` keeps the plan of a call once its launch is built, and `launch_replay` runs it for a call with the
 same key, into a fresh output, the launch arguments already built. A replayed call skips validation (its facts
-passed it before), the kernel's resolution and the tensor-map encodes: it costs the key, one allocation and the
-launch.
+passed it before), the kernel's resolution and the input maps' encodes: it costs the key, one allocation and the
+launch (the wgmma kernel's output map is looked up again when the output moved).
 
 Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast, no
 prepass) into a new output of the requested dtype, over all rows, without log-sum-exp. Key counts are named by
