@@ -133,8 +133,9 @@ __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_m
 
 /* Shared-memory map: WG_Q_BUFS Q tiles, K tiles, V tiles, WG_O_BUFS output tiles (1024-byte aligned for
    the swizzle), then the ring's mbarriers (q_full is Q tile 0's), Q tile 1's full mbarrier and both Q
-   tiles' free ones (the consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS, in that tile's
-   phase round / WG_Q_BUFS. Addresses are computed, not indexed, so nothing lands in local memory. */
+   tiles' free ones (the consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS,
+   in that tile's phase round / WG_Q_BUFS. Addresses are computed, not indexed, so nothing lands in local
+   memory. */
 struct wg_smem : pk_ring<WG_STAGES> {
     unsigned int base;
     __device__ unsigned int q(unsigned int round) const { return base + (round % WG_Q_BUFS) * WG_TILE_BYTES; }
