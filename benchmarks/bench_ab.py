@@ -29,18 +29,22 @@ MAX_F32_SEQ = 4608
 
 
 def serve() -> None:
-    """Worker: read `kernel dtype B H Nq Nk D warmup timed` lines, answer each with the median ms."""
+    """Worker: read `kernel dtype layout B H Nq Nk D warmup timed` lines, answer each with the median ms.
+    `layout`: "head-major" (`[B, H, N, D]` tensors) or "token-major" (`[B, N, H, D]` storage seen as
+    `[B, H, N, D]`, as diffusers' dispatcher passes q, k, v)."""
     import torch
 
     from pictor_diffusers import attention  # the checkout's own; nothing else of it is assumed
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for line in sys.stdin:
-        kernel, dtype, *numbers = line.split()
+        kernel, dtype, layout, *numbers = line.split()
         batch, heads, seq_q, seq_k, head_dim, warmup, timed = (int(x) for x in numbers)
         generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k + heads)
-        shapes = [(batch, heads, seq_q, head_dim)] + [(batch, heads, seq_k, head_dim)] * 2
-        q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtypes[dtype]) for shape in shapes)
+        shapes = [(batch, seq_q, heads, head_dim)] + [(batch, seq_k, heads, head_dim)] * 2
+        drawn = [torch.randn(shape, generator=generator, device="cuda").to(dtypes[dtype]) for shape in shapes]
+        q, k, v = (t.transpose(1, 2) if layout == "token-major" else t.transpose(1, 2).contiguous() for t in drawn)
+        del drawn
         for _ in range(warmup):
             attention(q, k, v, kernel=kernel)
         times = []
@@ -101,6 +105,12 @@ def main() -> None:
         help="comma list of BxHxNxD or, for cross-attention, BxHxNqxNkxD (default: FLUX.2's B 1-2, H "
         "24-48, N 1536-16896)",
     )
+    parser.add_argument(
+        "--layout",
+        choices=("head-major", "token-major"),
+        default="head-major",
+        help="q, k, v as [B, H, N, D] tensors, or [B, N, H, D] storage seen as [B, H, N, D]",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.serve:
@@ -114,7 +124,7 @@ def main() -> None:
         for kernel, dtype in rows:
             if kernel == "f32" and max(shape[2:4]) > MAX_F32_SEQ:
                 continue
-            request = " ".join(map(str, (kernel, dtype, *shape, *repetitions(kernel, shape))))
+            request = " ".join(map(str, (kernel, dtype, args.layout, *shape, *repetitions(kernel, shape))))
             times: dict[str, list[float]] = {"A": [], "B": []}
             for round_ in range(args.rounds):
                 for side in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
@@ -125,6 +135,7 @@ def main() -> None:
                 "suite": "ab",
                 "kernel": kernel,
                 "dtype": dtype,
+                "layout": args.layout,
                 **dict(zip(("B", "H", "N", "Nk", "D"), shape, strict=True)),
             }
             record |= {"ms_a": a, "ms_b": b, "ratio_b_over_a": b / a, "tflops_a": flops / a / 1e9}
