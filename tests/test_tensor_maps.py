@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pictor_diffusers.cuda.tensor_maps import Planes, readable, rows_of
+from pictor_diffusers.cuda.tensor_maps import Planes, out_planes, readable, rows_of
 
 SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 1, 1, 128)]  # N 77: not a multiple of the 128-row box
 
@@ -66,3 +66,18 @@ def test_rows_of_a_token_major_window(shape: tuple[int, ...]) -> None:
         one(seq, heads * head_dim),
         one(batch, seq * heads * head_dim),
     )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_out_planes_of_a_window_of_the_output(shape: tuple[int, ...]) -> None:
+    """The wgmma kernel's output map: rows [start, stop) of the token-major `[B, N, H*D]` output are that
+    window of its `[B, H, N, D]` view, the address at the window's first row (the kernel's output operand)."""
+    batch, heads, seq, head_dim = shape
+    out = torch.empty(batch, seq, heads * head_dim, dtype=torch.bfloat16)
+    start, stop = min(3, seq - 1), seq
+    planes = out_planes(out, heads, start, stop)
+    assert planes == rows_of(out.view(batch, seq, heads, head_dim).transpose(1, 2), start, stop)
+    assert planes.pointer == out.data_ptr() + start * heads * head_dim * out.element_size()
+    assert (planes.heads, planes.rows, planes.batches) == (heads, stop - start, batch)
+    if seq > 1:
+        assert planes.row_stride == heads * head_dim
