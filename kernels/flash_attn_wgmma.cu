@@ -211,7 +211,7 @@ struct wg_acc {
     float m_run[2], l_run[2];
 };
 
-__device__ __forceinline__ unsigned int wg_rows0() { return (threadIdx.x / 128 - 1) * 64; }
+__device__ __forceinline__ unsigned int wg_rows0() { return pk_consumer_wg() * 64; }
 
 /* Key tile 0's S of work tile `wk` (the ring's tile `first`), computed and folded into a fresh softmax
    state (m_run, l_run); WITH_PV: the previous work tile's last P.V (V of the ring's tile first - 1) runs

@@ -109,9 +109,14 @@ def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
 
 
 def out_planes(out: torch.Tensor, heads: int, start: int, stop: int) -> Planes:
-    """`Planes` of rows [start, stop) of a token-major `[B, N, H*D]` output, seen as `[B, H, N, D]`."""
+    """`Planes` of rows [start, stop) of a contiguous token-major `[B, N, H*D]` output, seen as `[B, H, N, D]`
+    (what `rows_of` gives that view; from the extents alone, no view made: this runs on every launch)."""
     batch, rows, width = out.shape
-    return rows_of(out.view(batch, rows, heads, width // heads).transpose(1, 2), start, stop)
+    pointer = out.data_ptr() + start * width * out.element_size()
+    one = lambda extent, stride: stride if extent > 1 else 8  # noqa: E731
+    return Planes(
+        pointer, heads, stop - start, batch, one(heads, width // heads), one(rows, width), one(batch, rows * width)
+    )
 
 
 def readable(tensor: torch.Tensor) -> bool:
