@@ -75,7 +75,7 @@ def speed_rows(table: dict[str, Method]) -> list[dict]:
 
 def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The 8-bit call's two stages on these inputs: the prepass, and the kernel on operands prepared once."""
-    from pictor_diffusers.cuda import runtime
+    from pictor_diffusers.cuda import nvrtc, runtime
     from pictor_diffusers.cuda.geometry import Geometry
     from pictor_diffusers.cuda.launch import _signature
     from pictor_diffusers.cuda.plan import resolve
@@ -90,7 +90,7 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
     operands, keep = quantized_operands(pointers, geometry, q.device.index, prepass)
     args = (*operands, heads, seq, seq, seq)
     grid, shared, signature = (
-        variant.grid(batch, heads, seq),
+        variant.grid(batch, heads, seq, nvrtc.multiprocessors(q.device.index)),
         variant.spec.shared_bytes(head_dim),
         _signature(variant.spec),
     )
