@@ -12,15 +12,17 @@
        WG_STAGES tiles ahead;
      * warpgroups 1 and 2 are consumers, 64 query rows each. Per key tile j they
        issue S_j = Q K_j^T (wgmma, both operands in shared memory) and
-       O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then run
-       tile j's softmax while the P.V product is still in flight, so the
-       exponentials overlap the tensor cores.
+       O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then
+       tile j's softmax, and wait for the P.V product only after it. ptxas
+       (13.0, and NVRTC 12.9) schedules that wait before the softmax all the same, so
+       in the machine code a warpgroup's exponentials overlap the other
+       warpgroup's products, not its own P.V.
    Two builds. WG_PERSISTENT=1 (the host runs it on short key sequences):
    each block loops over work tiles (128 query rows of one head and batch);
    the K/V ring runs on from one work tile to the next and Q is double-
    buffered, so the next tile's Q and keys load during the current one.
    Between two work tiles, the next tile's first S is issued with the last
-   P.V of the one before, its softmax runs while that P.V is in flight, and
+   P.V of the one before, its softmax follows, and
    the finished tile's rows are then rounded (epilogue.cuh) and stored.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences).
@@ -215,7 +217,7 @@ __device__ __forceinline__ unsigned int wg_rows0() { return pk_consumer_wg() * 6
 
 /* Key tile 0's S of work tile `wk` (the ring's tile `first`), computed and folded into a fresh softmax
    state (m_run, l_run); WITH_PV: the previous work tile's last P.V (V of the ring's tile first - 1) runs
-   alongside it, into a.o, and the softmax overlaps that product. */
+   alongside it, into a.o, and is waited for after the softmax (in the source: see the opening comment). */
 template <bool WITH_PV>
 __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float* m_run, float* l_run,
                                               const pk_work& wk, unsigned int first, unsigned int round,
@@ -265,8 +267,8 @@ __device__ __forceinline__ void wg_store_rows(const pk_out_rows<WG_D>& r, unsign
     pk_write_lse<WG_D>(r, wg_rows0(), dst.lse, dst.num_heads, dst.seq_q, dst.out_pitch);
 }
 
-/* Key tile j of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax while the P.V
-   product is in flight. */
+/* Key tile j of `wk`: S_j and P_{j-1} V_{j-1} issued back to back, then S_j's softmax, then the wait for the
+   P.V product (which ptxas moves ahead of the softmax). */
 __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int first,
                                             unsigned int j, unsigned int q_rows, float scale_log2)
 {
