@@ -86,16 +86,6 @@ def _encode(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int) ->
     return buffer, address
 
 
-def tensor_map(tensor: torch.Tensor, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:
-    """(owning buffer, address) of the map of a 16-bit `[B, H, N, D]` CUDA tensor (any strides
-    `readable` accepts), copied in boxes of 64 columns x `box_rows` rows.
-
-    The caller keeps the buffer referenced until the launch has been issued
-    (the launch copies the map's bytes).
-    """
-    return map_at(rows_of(tensor, 0, tensor.shape[2]), tensor.shape[3], tensor.dtype, box_rows)
-
-
 def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
     """`Planes` of rows [start, stop) of a strided `[B, H, N, D]` tensor. A dimension of extent 1 gets
     stride 8 (torch gives such dimensions arbitrary strides; the copy engine never steps along them)."""
@@ -110,13 +100,14 @@ def rows_of(tensor: torch.Tensor, start: int, stop: int) -> Planes:
 
 def out_planes(out: torch.Tensor, heads: int, start: int, stop: int) -> Planes:
     """`Planes` of rows [start, stop) of a contiguous token-major `[B, N, H*D]` output, seen as `[B, H, N, D]`
-    (what `rows_of` gives that view; from the extents alone, no view made: this runs on every launch)."""
+    (what `rows_of` gives that view, extent-1 rule included; from the extents alone, no view made: this runs on
+    every launch)."""
     batch, rows, width = out.shape
     pointer = out.data_ptr() + start * width * out.element_size()
-    one = lambda extent, stride: stride if extent > 1 else 8  # noqa: E731
     return Planes(
-        pointer, heads, stop - start, batch, one(heads, width // heads), one(rows, width), one(batch, rows * width)
-    )
+        pointer, heads, stop - start, batch,
+        width // heads if heads > 1 else 8, width if rows > 1 else 8, rows * width if batch > 1 else 8,
+    )  # fmt: skip
 
 
 def readable(tensor: torch.Tensor) -> bool:
