@@ -16,7 +16,8 @@
      sm80_mma.cuh       sm_80+: cp.async, ldmatrix and mma.sync (flash_attn_mma16.cu, flash_attn_tf32x3.cu)
      sm90_pipeline.cuh  sm_90a: TMA copies, the mbarrier K/V ring, the producer and consumer warpgroups
      sm90_wgmma.cuh     sm_90a: wgmma descriptors, instructions and their ordering
-     sm90_store.cuh     sm_90a: finished rows staged in shared memory (stmatrix), stored by TMA
+     sm90_store.cuh     sm_90a: finished rows staged in shared memory (stmatrix), stored by TMA; rows of
+                        batches without keys
    The three Hopper kernels (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu) keep only
    their shared-memory map, tile copies, main loop and epilogue; the pipeline and the instructions are
    shared, as FlashAttention-3's hopper/ keeps pipeline, main loop, softmax and epilogue apart.

@@ -5,20 +5,24 @@
    folded into one FFMA), f32 accumulators and f32 softmax state.
    Warp-specialised, after FlashAttention-3:
      * warpgroup 0 is the producer: it first gives up most of its registers
-       (setmaxnreg) to the consumers, then one thread issues bulk tensor
-       copies (TMA) of the Q tile once and of K/V tiles into a WG_STAGES-deep
-       ring, each completing on an mbarrier. K and V of a stage are freed apart (K
-       as soon as S is computed, V after P.V), so loads run up to
-       WG_STAGES tiles ahead;
-     * warpgroups 1 and 2 are consumers, 64 query rows each. Per key tile j they
-       issue S_j = Q K_j^T (wgmma, both operands in shared memory) and
+       (setmaxnreg: it keeps 24) to the consumers, then one thread issues bulk
+       tensor copies (TMA) of the Q tile once and of K/V tiles into a
+       WG_STAGES-deep ring, each completing on an mbarrier. K and V of a stage
+       are freed apart (K as soon as S is computed, V after P.V), so loads run
+       up to WG_STAGES tiles ahead;
+     * warpgroups 1 .. WG_CONSUMERS = WG_BQ / 64 are consumers, 64 query rows
+       each: two at head_dim 128 (240 registers a thread), three at 64 (160),
+       where a key tile's exponentials take the SM as long as its products
+       and a third warpgroup keeps the tensor cores busy through the others'
+       softmax. Per key tile j they issue
+       S_j = Q K_j^T (wgmma, both operands in shared memory) and
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then
        tile j's softmax, and wait for the P.V product only after it. ptxas
-       (13.0, and NVRTC 12.9) schedules that wait before the softmax all the same, so
-       in the machine code a warpgroup's exponentials overlap the other
-       warpgroup's products, not its own P.V.
+       (13.0, and NVRTC 12.9) schedules that wait before the softmax all the
+       same, so in the machine code a warpgroup's exponentials overlap the
+       other warpgroups' products, not its own P.V.
    Two builds. WG_PERSISTENT=1 (the host runs it on short key sequences):
-   each block loops over work tiles (128 query rows of one head and batch);
+   each block loops over work tiles (WG_BQ query rows of one head and batch);
    the K/V ring runs on from one work tile to the next and Q is double-
    buffered, so the next tile's Q and keys load during the current one.
    Between two work tiles, the next tile's first S is issued with the last
@@ -33,25 +37,28 @@
    the other.
    The producer, the ring and the roles are sm90_pipeline.cuh's, the products
    sm90_wgmma.cuh's, the schedule tile_schedule.cuh's; this file holds the
-   shared-memory map, the tile copies and the main loop.
+   shared-memory map and the main loop.
 
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
-   against this kernel's own formulas; WG_STAGES is the one free choice):
+   against this kernel's own formulas; WG_BQ, 128 or 192, and WG_STAGES are
+   the free choices):
        grid  = WG_PERSISTENT=1: (min(work tiles, SMs), 1, 1), work tiles =
                ceil(seq_q / WG_BQ) x num_heads x batch, WG_BQ = 128 query
-               rows; block b takes tiles b, b + gridDim.x, ... (query block
-               fastest, then head); WG_PERSISTENT=0: (ceil(seq_q / WG_BQ),
-               num_heads, batch), one work tile per block
-       block = WG_THREADS = 384 = 3 warpgroups (producer, 2 consumers), one
-               block per SM at a time
+               rows at WG_D = 128, 192 at 64; block b takes tiles b,
+               b + gridDim.x, ... (query block fastest, then head);
+               WG_PERSISTENT=0: (ceil(seq_q / WG_BQ), num_heads, batch), one
+               work tile per block
+       block = WG_THREADS = 128 x (1 + WG_CONSUMERS): 384 (a producer and 2
+               consumer warpgroups) or 512 (3), one block per SM at a time
        dynamic shared memory = WG_SMEM_BYTES: WG_Q_BUFS = 1 + WG_PERSISTENT Q
-       tiles, WG_STAGES x (K tile, V tile), WG_PERSISTENT output tiles,
-       128 x WG_D 16-bit each, stored as WG_D / 64 slabs of 64 columns,
-       128-byte rows in TMA's 128-byte swizzle; 1 KiB of alignment slack;
-       then 8 x (4 + 4 WG_STAGES) bytes of mbarriers. At WG_D = 128:
-       230,528 bytes (WG_PERSISTENT=0, 3 stages) and 230,496 (=1, 2
-       stages).
+       tiles (WG_BQ x WG_D), WG_STAGES x (K tile, V tile) (WG_BK x WG_D),
+       WG_PERSISTENT output tiles (WG_BQ x WG_D), 16-bit, each stored as
+       WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
+       swizzle; 1 KiB of alignment slack; then 8 x (4 + 4 WG_STAGES) bytes
+       of mbarriers. At WG_D = 128: 230,528 bytes (WG_PERSISTENT=0, 3
+       stages) and 230,496 (=1, 2 stages); at 64: 156,832 (=0, 4 stages)
+       and 173,184 (=1, 3 stages).
    Matrix products: wgmma.mma_async, f32 accumulators; m64n128k16 for S and
    m64n{WG_D}k16 for O.
        S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
@@ -65,14 +72,16 @@
                  contiguous): head-major [B, H, N, D] or the token-major
                  [B, N, H, D] diffusers' dispatcher passes, read in place.
                  Three rank-4 tensor maps of a window of rows (dims WG_D,
-                 num_heads, seq_q or seq_k, batch; box 64 x 1 x 128 x 1;
-                 128-byte swizzle); rows past the window are zero-filled by
-                 the copy engine, and keys >= seq_k masked
+                 num_heads, seq_q or seq_k, batch; box 64 x 1 x WG_BQ x 1
+                 for q, 64 x 1 x WG_BK x 1 for k and v; 128-byte swizzle);
+                 rows past the window are zero-filled by the copy engine, and
+                 keys >= seq_k masked
        out     : token-major [batch, out_pitch, num_heads * WG_D], same dtype,
                  offset by the host to the window's first row; written
                  through tm_o (dims WG_D, num_heads, seq_q, batch; box 64 x
-                 1 x 64 x 1; 128-byte swizzle), rows past seq_q dropped by
-                 the copy engine; the pointer serves batches without keys
+                 1 x 64 x 1, a warpgroup's rows; 128-byte swizzle), rows past
+                 seq_q dropped by the copy engine; the pointer serves batches
+                 without keys
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
                  batch b attends its first key_lens[b] keys (attention_io.cuh)
@@ -104,32 +113,23 @@
 #error "WG_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
-#define WG_SLABS (WG_D / 64)                 /* 64-column slabs per 128-row tile */
-#define WG_SLAB_BYTES (128 * 128)            /* 128 rows x 64 columns x 2 bytes */
-#define WG_TILE_BYTES (WG_SLABS * WG_SLAB_BYTES)    /* 128 rows x WG_D columns */
+#define WG_CONSUMERS (WG_BQ / 64)            /* consumer warpgroups, 64 query rows each */
+#define WG_SLABS (WG_D / 64)                 /* 64-column slabs per tile, rows x 128 bytes each */
+#define WG_Q_BYTES (WG_SLABS * WG_BQ * 128)  /* a Q (or output) tile: WG_BQ rows x WG_D columns */
+#define WG_KV_BYTES (WG_SLABS * WG_BK * 128) /* a K or V tile: WG_BK rows x WG_D columns */
 #define WG_O_REGS (WG_D / 2)                 /* a consumer thread's output accumulators */
 #define WG_Q_BUFS (1 + WG_PERSISTENT)        /* Q tiles: the persistent build loads the next work tile's early */
 #define WG_O_BUFS WG_PERSISTENT              /* output tiles: the persistent build's own staging area */
+#define WG_K0 (WG_Q_BUFS * WG_Q_BYTES)       /* where the K tiles start, after the Q tiles */
 #define WG_BARRIER_BYTES (8 * (4 + 4 * WG_STAGES))   /* the ring's, q_full of Q tile 1, q_free of both */
-static_assert(WG_BQ == 128 && WG_BK == 128,
-              "WG_BQ and WG_BK must be 128: the kernel is written for 128 x 128 tiles");
-static_assert(WG_THREADS == PK_THREADS,
-              "WG_THREADS must be 384: one producer and two consumer warpgroups");
+static_assert((WG_BQ == 128 || WG_BQ == 192) && WG_BK == 128,
+              "WG_BQ must be 128 or 192 (two or three consumer warpgroups) and WG_BK 128");
+static_assert(WG_THREADS == 128 * (1 + WG_CONSUMERS),
+              "WG_THREADS must be 128 x (1 + WG_BQ / 64): one producer and the consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
-static_assert(WG_SMEM_BYTES == 1024 + (WG_Q_BUFS + 2 * WG_STAGES + WG_O_BUFS) * WG_TILE_BYTES + WG_BARRIER_BYTES,
+static_assert(WG_SMEM_BYTES == 1024 + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES + WG_O_BUFS * WG_Q_BYTES + WG_BARRIER_BYTES,
               "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K stages | V stages | output tile | mbarriers");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
-
-/* Every slab of a 128 x WG_D tile, completing on `bar`. */
-__device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_map* map, int row, int head,
-                                             int batch, unsigned int bar)
-{
-    pk_bar_expect_bytes(bar, WG_TILE_BYTES);
-    #pragma unroll
-    for (int slab = 0; slab < WG_SLABS; slab++) {
-        pk_copy_box(dst + slab * WG_SLAB_BYTES, map, 64 * slab, head, row, batch, bar);
-    }
-}
 
 /* ---- roles ---- */
 
@@ -138,12 +138,12 @@ __device__ __forceinline__ void wg_copy_tile(unsigned int dst, const pk_tensor_m
    tiles' free ones (the consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS,
    in that tile's phase round / WG_Q_BUFS. Addresses are computed, not indexed, so nothing lands in local
    memory. */
-struct wg_smem : pk_ring<WG_STAGES> {
+struct wg_smem : pk_ring<WG_STAGES, WG_CONSUMERS> {
     unsigned int base;
-    __device__ unsigned int q(unsigned int round) const { return base + (round % WG_Q_BUFS) * WG_TILE_BYTES; }
-    __device__ unsigned int k(unsigned int s) const { return base + (WG_Q_BUFS + s) * WG_TILE_BYTES; }
-    __device__ unsigned int v(unsigned int s) const { return base + (WG_Q_BUFS + WG_STAGES + s) * WG_TILE_BYTES; }
-    __device__ unsigned int o() const { return base + (WG_Q_BUFS + 2 * WG_STAGES) * WG_TILE_BYTES; }
+    __device__ unsigned int q(unsigned int round) const { return base + (round % WG_Q_BUFS) * WG_Q_BYTES; }
+    __device__ unsigned int k(unsigned int s) const { return base + WG_K0 + s * WG_KV_BYTES; }
+    __device__ unsigned int v(unsigned int s) const { return base + WG_K0 + (WG_STAGES + s) * WG_KV_BYTES; }
+    __device__ unsigned int o() const { return base + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES; }
     __device__ unsigned int q_full_of(unsigned int round) const
     {
         return round % WG_Q_BUFS ? bars + 8 * (1 + 4 * WG_STAGES) : q_full();
@@ -159,7 +159,7 @@ __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 {
     wg_smem m;
     m.base = pk_smem_base(raw);
-    m.bars = m.base + (WG_Q_BUFS + 2 * WG_STAGES + WG_O_BUFS) * WG_TILE_BYTES;
+    m.bars = m.o() + WG_O_BUFS * WG_Q_BYTES;
     return m;
 }
 
@@ -173,14 +173,14 @@ __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tenso
                                                 const pk_work& t, unsigned int first, unsigned int round)
 {
     if (WG_PERSISTENT && round >= WG_Q_BUFS) pk_bar_wait(m.q_free(round), (round / WG_Q_BUFS - 1) & 1);
-    wg_copy_tile(m.q(round), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full_of(round));
+    pk_copy_tile<WG_BQ, WG_SLABS>(m.q(round), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full_of(round));
     m.produce(
         t.n_tiles,
         [&](unsigned int j, unsigned int s) {
-            wg_copy_tile(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
+            pk_copy_tile<WG_BK, WG_SLABS>(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
         },
         [&](unsigned int j, unsigned int s) {
-            wg_copy_tile(m.v(s), tm_v, j * WG_BK, (int)t.head, (int)t.batch, m.v_full(s));
+            pk_copy_tile<WG_BK, WG_SLABS>(m.v(s), tm_v, j * WG_BK, (int)t.head, (int)t.batch, m.v_full(s));
         },
         first);
 }
@@ -231,7 +231,7 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     pk_pin<64>(a.s);
     if (WITH_PV) pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    pk_tile_qk<WG_IN_KIND, WG_D>(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
+    pk_tile_qk<WG_IN_KIND, WG_D, WG_BQ>(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
     if (WITH_PV) {
         pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
         pk_wgmma_wait<1>();
@@ -251,19 +251,10 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     }
 }
 
-/* Where a work tile's results go: its 16-bit rows through `map` (tm_o), rows of batches without keys
-   through `out`, the LSE into `lse` (or nowhere: null). */
-struct wg_out {
-    const pk_tensor_map* map;
-    unsigned short* out;
-    float* lse;
-    unsigned int num_heads, seq_q, out_pitch;
-};
-
-/* A warpgroup's rounded rows, through the tile at `area`, and their LSE. */
-__device__ __forceinline__ void wg_store_rows(const pk_out_rows<WG_D>& r, unsigned int area, const wg_out& dst)
+/* A warpgroup's rounded rows, through the WG_BQ-row tile at `area`, and their LSE. */
+__device__ __forceinline__ void wg_store_rows(const pk_out_rows<WG_D>& r, unsigned int area, const pk_out_dst& dst)
 {
-    pk_store_tile<WG_D>(r, area, dst.map);
+    pk_store_tile<WG_D, WG_BQ>(r, area, dst.map);
     pk_write_lse<WG_D>(r, wg_rows0(), dst.lse, dst.num_heads, dst.seq_q, dst.out_pitch);
 }
 
@@ -279,7 +270,7 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_pin<64>(a.s);
     pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    pk_tile_qk<WG_IN_KIND, WG_D>(a.s, q_rows, m.k(st));
+    pk_tile_qk<WG_IN_KIND, WG_D, WG_BQ>(a.s, q_rows, m.k(st));
     pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
     pk_wgmma_wait<1>();
     pk_pin<64>(a.s);
@@ -310,7 +301,7 @@ __device__ __forceinline__ void wg_zero_o(wg_acc& a)
 /* The last P.V of a work tile whose last key tile is the ring's tile `last`, then its store through the
    tile at `area`, drained before the block exits. */
 __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_work& wk, unsigned int last,
-                                          unsigned int area, const wg_out& dst)
+                                          unsigned int area, const pk_out_dst& dst)
 {
     m.wait_v(last % WG_STAGES, last);
     pk_pin<WG_O_REGS>(a.o);
@@ -324,18 +315,11 @@ __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_
     pk_store_drain();
 }
 
-/* A work tile whose batch has no keys: rows of 0 and LSE -inf (attention_io.cuh); nothing from the ring. */
-__device__ __forceinline__ void wg_store_keyless(const pk_work& t, const wg_out& dst)
-{
-    pk_store_keyless_tile<WG_IN_KIND>(dst.out, dst.lse, t.q0, WG_BQ, t.head, t.batch, dst.seq_q, dst.num_heads, WG_D,
-                                      dst.out_pitch, threadIdx.x - 128, WG_THREADS - 128);
-}
-
 /* The consumer warpgroups, persistent build: the work tiles in the producer's order. Between two tiles
    with keys, the next one's first S runs alongside the last P.V of the one before, whose rows are stored
    once that P.V is done. */
-__device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched, const wg_out& dst,
-                                                      float scale_log2)
+__device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg_schedule& sched,
+                                                      const pk_out_dst& dst, float scale_log2)
 {
     wg_acc a;
     pk_work held;   /* the work tile whose last P.V is pending */
@@ -344,7 +328,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         if (w >= sched.n_work) return;
         held = sched.at(w);
         if (sched.has_keys(held)) break;
-        wg_store_keyless(held, dst);
+        pk_store_keyless<WG_IN_KIND, WG_D, WG_BQ>(held, dst);
     }
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
@@ -355,7 +339,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
     for (w += gridDim.x; w < sched.n_work; w += gridDim.x) {
         const pk_work t = sched.at(w);
         if (!sched.has_keys(t)) {
-            wg_store_keyless(t, dst);
+            pk_store_keyless<WG_IN_KIND, WG_D, WG_BQ>(t, dst);
             continue;
         }
         float m_run[2], l_run[2];
@@ -380,12 +364,12 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
 }
 
 /* The consumer warpgroups, one block per work tile. */
-__device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedule& sched, const wg_out& dst,
+__device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedule& sched, const pk_out_dst& dst,
                                                float scale_log2)
 {
     const pk_work t = sched.own();
     if (!sched.has_keys(t)) {
-        wg_store_keyless(t, dst);
+        pk_store_keyless<WG_IN_KIND, WG_D, WG_BQ>(t, dst);
         return;
     }
     wg_acc a;
@@ -408,10 +392,10 @@ joint_attention_wgmma(
     const wg_schedule sched = wg_schedule::of(seq_q, num_heads, seq_k, batch, key_lens);
     if (WG_PERSISTENT && threadIdx.x == 0) {   /* run() fences them */
         pk_bar_init(m.q_full_of(1), 1);
-        pk_bar_init(m.q_free(0), PK_CONSUMER_WARPS);
-        pk_bar_init(m.q_free(1), PK_CONSUMER_WARPS);
+        pk_bar_init(m.q_free(0), wg_smem::CONSUMER_WARPS);
+        pk_bar_init(m.q_free(1), wg_smem::CONSUMER_WARPS);
     }
-    const wg_out dst = {&tm_o, out, lse, sched.num_heads, seq_q, out_pitch};
+    const pk_out_dst dst = {&tm_o, out, lse, sched.num_heads, seq_q, out_pitch};
 #if WG_PERSISTENT
     m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
           [&] { wg_consume_persistent(m, sched, dst, scale_log2); });

@@ -1,13 +1,14 @@
 /* sm90_pipeline.cuh: the Hopper (sm_90a) warp-specialised pipeline of the wgmma kernels
    (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu): one producer thread streams K and V
-   tiles by TMA into a STAGES-deep ring of shared-memory stages, two consumer warpgroups read them, and
-   mbarriers hand each stage back and forth. A kernel brings its shared-memory map (derived from
-   pk_ring, which sets where the tiles lie) and the copies of its tiles.
-     TMA          pk_tensor_map, pk_copy_box: bulk tensor copies completing on an mbarrier
+   tiles by TMA into a STAGES-deep ring of shared-memory stages, consumer warpgroups (two; three in the
+   head_dim-64 wgmma builds) read them, and mbarriers hand each stage back and forth. A kernel brings its
+   shared-memory map (derived from pk_ring, which sets where the tiles lie) and the copies of its tiles.
+     TMA          pk_tensor_map, pk_copy_box, pk_copy_tile: bulk tensor copies completing on an mbarrier
      mbarriers    pk_bar_init, pk_bar_expect_bytes, pk_bar_arrive, pk_bar_wait, pk_warp_arrive
-     Roles        PK_THREADS, PK_CONSUMER_WARPS, pk_specialise: a producer warpgroup (setmaxnreg down)
-                  and two consumer warpgroups (up)
-     K/V ring     pk_smem_base; pk_ring<STAGES>: Q's and each stage's K and V full / free mbarriers,
+     Roles        PK_THREADS, pk_consumer_regs, pk_specialise<CONSUMERS>: a producer warpgroup
+                  (setmaxnreg down) and CONSUMERS consumer warpgroups (up); PK_THREADS is the two-consumer
+                  kernels' block
+     K/V ring     pk_smem_base; pk_ring<STAGES, CONSUMERS>: Q's and each stage's K and V full / free mbarriers,
                   run (init, then the roles), produce (the producer's loop), wait_q / wait_k / wait_v
                   and free_k / free_v (the consumers' side) */
 
@@ -16,9 +17,19 @@
 
 #include "common.cuh"
 
-/* The roles (pk_specialise): warpgroup 0 produces, warpgroups 1 and 2 consume, 64 query rows each. */
+/* The roles (pk_specialise): warpgroup 0 produces, warpgroups 1 .. CONSUMERS consume, 64 query rows each.
+   PK_THREADS: the block of the two-consumer kernels. The producer keeps PK_PRODUCER_REGS registers a
+   thread; the consumers share the rest of the 64K register file (pk_consumer_regs). */
 #define PK_THREADS 384
-#define PK_CONSUMER_WARPS 8
+#define PK_PRODUCER_REGS 24
+
+/* A consumer thread's registers (setmaxnreg, a multiple of 8) when CONSUMERS warpgroups share what the
+   producer leaves: 240 for two, 160 for three. */
+template <int CONSUMERS>
+__host__ __device__ constexpr int pk_consumer_regs()
+{
+    return (65536 - 128 * PK_PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
+}
 
 /* CUtensorMap: 128 opaque bytes, encoded on the host by cuTensorMapEncodeTiled. */
 struct __align__(64) pk_tensor_map {
@@ -65,6 +76,19 @@ __device__ __forceinline__ void pk_copy_box(unsigned int dst, const pk_tensor_ma
         : "memory");
 }
 
+/* A ROWS-row tile of 16-bit values at (row, head, batch) of `map` (box: 64 columns x ROWS rows) into dst as
+   SLABS slabs of 64 columns, ROWS x 128 bytes apart, completing on `bar`, which expects all their bytes. */
+template <int ROWS, int SLABS>
+__device__ __forceinline__ void pk_copy_tile(unsigned int dst, const pk_tensor_map* map, int row, int head,
+                                             int batch, unsigned int bar)
+{
+    pk_bar_expect_bytes(bar, SLABS * ROWS * 128);
+    #pragma unroll
+    for (int slab = 0; slab < SLABS; slab++) {
+        pk_copy_box(dst + slab * ROWS * 128, map, 64 * slab, head, row, batch, bar);
+    }
+}
+
 /* One arrival on `bar` for the calling warp (lane 0 arrives). */
 __device__ __forceinline__ void pk_warp_arrive(unsigned int bar)
 {
@@ -78,28 +102,33 @@ __device__ __forceinline__ unsigned int pk_smem_base(const unsigned char* raw)
     return (pk_smem_addr(raw) + 1023u) & ~1023u;
 }
 
-/* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to 24) and its
-   thread 0 runs `produce` (the TMA copies); the consumer warpgroups take them (240) and run `consume`. */
-template <typename Produce, typename Consume>
+/* The warp-specialised kernels' roles: warpgroup 0 gives registers away (setmaxnreg to PK_PRODUCER_REGS)
+   and its thread 0 runs `produce` (the TMA copies); the CONSUMERS consumer warpgroups take them
+   (pk_consumer_regs) and run `consume`. */
+template <int CONSUMERS, typename Produce, typename Consume>
 __device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
 {
+    static_assert(CONSUMERS >= 2 && pk_consumer_regs<CONSUMERS>() >= PK_PRODUCER_REGS,
+                  "setmaxnreg takes 24 to 256 registers: two or more consumer warpgroups");
     if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PK_PRODUCER_REGS) : "memory");
         if (threadIdx.x == 0) produce();
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;" ::: "memory");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(pk_consumer_regs<CONSUMERS>()) : "memory");
         consume();
     }
 }
 
 /* The warp-specialised kernels' mbarriers at `bars`, 8 bytes each: q_full, then k_full[STAGES],
    v_full[STAGES] (one arrival each: the producer's expect-bytes), k_free[STAGES], v_free[STAGES] (one
-   arrival per consumer warp). Each kernel's shared-memory layout derives from it and sets `bars`;
+   arrival per warp of the CONSUMERS consumer warpgroups). Each kernel's shared-memory layout derives from
+   it and sets `bars`;
    init: thread 0 initialises them, then the whole block synchronises.
    Key tile j lives in stage j % STAGES, in that stage's round j / STAGES: its full barriers complete
    phase j / STAGES, and the producer reuses the stage once the consumers freed round j / STAGES - 1. */
-template <int STAGES>
+template <int STAGES, int CONSUMERS = 2>
 struct pk_ring {
+    static constexpr unsigned int CONSUMER_WARPS = 4 * CONSUMERS;
     unsigned int bars;
     __device__ unsigned int q_full() const { return bars; }
     __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
@@ -115,8 +144,8 @@ struct pk_ring {
             for (int s = 0; s < STAGES; s++) {
                 pk_bar_init(k_full(s), 1);
                 pk_bar_init(v_full(s), 1);
-                pk_bar_init(k_free(s), PK_CONSUMER_WARPS);
-                pk_bar_init(v_free(s), PK_CONSUMER_WARPS);
+                pk_bar_init(k_free(s), CONSUMER_WARPS);
+                pk_bar_init(v_free(s), CONSUMER_WARPS);
             }
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
@@ -128,7 +157,7 @@ struct pk_ring {
     __device__ __forceinline__ void run(Produce produce, Consume consume) const
     {
         init();
-        pk_specialise(produce, consume);
+        pk_specialise<CONSUMERS>(produce, consume);
     }
 
     /* The producer (one thread): for each key tile j, once its stage is free, copy_k(j, s) issues the

@@ -143,18 +143,20 @@ __device__ __forceinline__ void pk_pin(float* acc)
 }
 
 /* ---- 128-key tiles of the 16-bit kernels (flash_attn_wgmma.cu) ----
-   Tiles are 128 rows x D columns of KIND, as D / 64 slabs of 64 columns (128-byte rows, TMA's 128-byte
-   swizzle, 16 KiB each); one warpgroup computes 64 query rows. */
+   Tiles are rows x D columns of KIND, as D / 64 slabs of 64 columns (128-byte rows, TMA's 128-byte
+   swizzle, rows x 128 bytes each): K and V tiles 128 rows, Q tiles Q_ROWS (64 per consumer warpgroup);
+   one warpgroup computes 64 query rows. */
 
-/* S = Q K^T for one warpgroup (q_rows: its first Q row in the tile): D / 16 k-steps, 4 per slab. */
-template <int KIND, int D>
+/* S = Q K^T for one warpgroup (q_rows: its first row in a Q_ROWS-row Q tile): D / 16 k-steps, 4 per slab. */
+template <int KIND, int D, int Q_ROWS>
 __device__ __forceinline__ void pk_tile_qk(float* s, unsigned int q_rows, unsigned int k_tile)
 {
     const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        const unsigned int offset = (kk / 4) * 128 * 128 + (kk % 4) * 32;
-        pk_wgmma_n128_ss<KIND>(s, pk_desc_advance(a, offset), pk_desc_advance(b, offset), kk > 0);
+        const unsigned int step = (kk % 4) * 32, slab = kk / 4;
+        pk_wgmma_n128_ss<KIND>(s, pk_desc_advance(a, slab * Q_ROWS * 128 + step),
+                               pk_desc_advance(b, slab * 128 * 128 + step), kk > 0);
     }
     pk_wgmma_commit();
 }
