@@ -91,12 +91,12 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
     args = (*operands, heads, seq, seq, seq)
     grid, shared, signature = (
         variant.grid(batch, heads, seq, nvrtc.multiprocessors(q.device.index)),
-        variant.spec.shared_bytes(head_dim),
+        variant.shared_bytes,
         _signature(variant.spec),
     )
 
     def kernel() -> tuple:
-        runtime.launch(function, q.device.index, grid, variant.spec.threads, shared, signature, args)
+        runtime.launch(function, q.device.index, grid, variant.threads, shared, signature, args)
         return keep
 
     def prepass_only() -> tuple:

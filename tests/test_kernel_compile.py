@@ -109,13 +109,32 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
     report = ptxas_report(ptx_for(variant, arch), arch, tmp_path) if shutil.which("ptxas") else None
     resources = parse_resources(report) if report else cubin_resources(variant, arch, tmp_path)
     print(f"{variant.name} {arch}: {resources}")
-    assert resources["registers"] * variant.spec.threads <= 65536, f"one block does not fit: {resources}"
+    assert resources["registers"] * variant.threads <= 65536, f"one block does not fit: {resources}"
     if variant.name in MAY_SPILL:
         return
     assert not spills(resources), f"{variant.name} on {arch} spills or uses a stack frame: {resources}"
 
 
 HOPPER_BUILDS = [(v, arch) for v, arch in BUILDS if arch.endswith("a")]
+
+
+@needs_cupy
+@pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=BUILD_IDS)
+def test_compiled_for_the_block_the_host_launches(variant: Variant, arch: str) -> None:
+    """A kernel bounded by `__launch_bounds__` is bounded by the host's block (`Variant.threads`); the
+    warp-specialised ones hand registers over by setmaxnreg within the 64K register file: the producer warpgroup's
+    and the consumer warpgroups' counts, multiples of 8 in [24, 256]."""
+    ptx = ptx_for(variant, arch)
+    bound = re.search(r"^\s*\.maxntid\s+(\d+)", ptx, re.MULTILINE)
+    if bound is not None:
+        assert int(bound.group(1)) == variant.threads, f"{variant.name}: .maxntid {bound.group(1)}"
+    counts = {kind: [int(n) for n in re.findall(rf"setmaxnreg\.{kind}\.sync\.aligned\.u32\s+(\d+)", ptx)]
+              for kind in ("dec", "inc")}  # fmt: skip
+    if not any(counts.values()):
+        return
+    (producer,), (consumer,) = set(counts["dec"]), set(counts["inc"])
+    assert all(24 <= n <= 256 and n % 8 == 0 for n in (producer, consumer)), counts
+    assert 128 * producer + (variant.threads - 128) * consumer <= 65536, f"{variant.name}: {counts}"
 
 
 @needs_cupy
@@ -171,8 +190,12 @@ def test_every_define_is_required(variant: Variant) -> None:
         assert macro in log, f"dropping {macro} failed without naming it:\n{log[-800:]}"
 
 
+WGMMA_D64 = next(v for v in variants(BY_NAME["wgmma"]) if v.head_dim == 64)
+"""The wgmma row's head_dim-64 build: three consumer warpgroups, a geometry of its own."""
+
+
 @needs_cupy
-@pytest.mark.parametrize("variant", FIRST_OF_EACH, ids=[v.spec.name for v in FIRST_OF_EACH])
+@pytest.mark.parametrize("variant", [*FIRST_OF_EACH, WGMMA_D64], ids=[v.name for v in [*FIRST_OF_EACH, WGMMA_D64]])
 def test_wrong_geometry_fails_a_static_assert(variant: Variant) -> None:
     """A host value that disagrees with the kernel's own formulas does not compile."""
     for key in ("THREADS", "SMEM_BYTES"):

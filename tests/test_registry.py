@@ -180,8 +180,10 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
     for variant in variants(spec):
         defines = dict(variant.defines())
         prefix = spec.prefix
-        assert defines[prefix + "THREADS"].rstrip("u") == str(spec.threads)
-        assert defines[prefix + "BQ"].rstrip("u") == str(spec.rows_per_block)
+        assert defines[prefix + "THREADS"].rstrip("u") == str(variant.threads)
+        assert defines[prefix + "BQ"].rstrip("u") == str(variant.rows_per_block)
+        if variant.head_dim not in spec.head_dim_shapes:
+            assert (variant.threads, variant.rows_per_block) == (spec.threads, spec.rows_per_block)
         if spec.smem_define:
             assert int(defines[prefix + "SMEM_BYTES"]) == variant.shared_bytes
         persistent_bytes = spec.persistent_shared_bytes
@@ -214,17 +216,41 @@ def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, ex
 
 
 @pytest.mark.parametrize(
-    ("name", "persistent", "seq_q", "expected"),
+    ("name", "head_dim", "persistent", "seq_q", "expected"),
     [
-        ("wgmma", True, 32760, (132, 1, 1)),  # one block per SM, each looping over 256 * 40 / 132 work tiles
-        ("wgmma", True, 200, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
-        ("wgmma", False, 4097, (33, 40, 1)),  # the other build: one block per (query block, head, batch)
-        ("mma16", False, 4097, (33, 40, 1)),
+        ("wgmma", 128, True, 32760, (132, 1, 1)),  # one block per SM, each looping over 256 * 40 / 132 work tiles
+        ("wgmma", 128, True, 200, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
+        ("wgmma", 128, False, 4097, (33, 40, 1)),  # the other build: one block per (query block, head, batch)
+        ("wgmma", 64, False, 4097, (22, 40, 1)),  # 192-row query blocks at head_dim 64
+        ("wgmma", 64, False, 191, (1, 40, 1)),
+        ("wgmma", 64, True, 200, (80, 1, 1)),  # 2 x 40 work tiles of 192 rows
+        ("wgmma", 64, True, 32760, (132, 1, 1)),
+        ("wgmma", 64, True, 192, (40, 1, 1)),
+        ("mma16", 64, False, 4097, (33, 40, 1)),
     ],
 )
-def test_grid(name: str, persistent: bool, seq_q: int, expected: tuple) -> None:
-    variant = next(v for v in variants(BY_NAME[name]) if v.persistent == persistent)
+def test_grid(name: str, head_dim: int, persistent: bool, seq_q: int, expected: tuple) -> None:
+    variant = next(v for v in variants(BY_NAME[name]) if (v.head_dim, v.persistent) == (head_dim, persistent))
     assert variant.grid(1, 40, seq_q, multiprocessors=132) == expected
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-block", "persistent"])
+def test_head_dim_64_runs_three_consumer_warpgroups(persistent: bool) -> None:
+    """The wgmma row's head_dim-64 builds: 512 threads (a producer and three consumer warpgroups), 192-row query
+    blocks, four K/V stages (three persistent) in the shared memory the kernel's map needs; head_dim 128 keeps
+    384 threads and 128 rows."""
+    builds = {v.head_dim: v for v in variants(BY_NAME["wgmma"]) if v.persistent == persistent and not v.key_lens}
+    narrow, wide = builds[64], builds[128]
+    assert (narrow.threads, narrow.rows_per_block, wide.threads, wide.rows_per_block) == (512, 192, 384, 128)
+    stages = 3 if persistent else 4
+    # Q tile (two and an output tile, persistent), 192 x 64 x 2 bytes each; K and V stages, 128 x 64 x 2 each
+    tiles = (3 if persistent else 1) * 192 * 64 * 2 + 2 * stages * 128 * 64 * 2
+    assert narrow.shared_bytes == 1024 + tiles + 8 * (4 + 4 * stages) == (173_184 if persistent else 156_832)
+    assert wide.shared_bytes == (230_496 if persistent else 230_528)
+    options = narrow.options()
+    for define in ("-DWG_BQ=192", "-DWG_BK=128", f"-DWG_STAGES={stages}", "-DWG_THREADS=512"):
+        assert define in options
+    assert {"-DWG_BQ=128", "-DWG_THREADS=384"} <= set(wide.options())
 
 
 @pytest.mark.parametrize("key_lens", [False, True])

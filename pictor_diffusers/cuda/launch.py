@@ -126,11 +126,13 @@ def attention_launch(plan: AttentionPlan) -> Launch:
     device_index = out.device.index
     if spec.operands == "tensor_maps":
         maps = [
-            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, dtype)
-            for t, start, stop in ((plan.query, window.q_start, window.q_stop),
-                                   (plan.key, window.k_start, window.k_stop),
-                                   (plan.value, window.k_start, window.k_stop))
-        ]  # fmt: skip
+            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, dtype, box_rows)
+            for t, start, stop, box_rows in (
+                (plan.query, window.q_start, window.q_stop, variant.rows_per_block),
+                (plan.key, window.k_start, window.k_stop, tensor_maps.BOX_ROWS),
+                (plan.value, window.k_start, window.k_stop, tensor_maps.BOX_ROWS),
+            )
+        ]
         out_map = _out_map_at(plan)(pointers[3])
         operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1]), (maps, out_map)
     else:
@@ -141,7 +143,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
     return Launch(
         device_index,
         variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
-        spec.threads,
+        variant.threads,
         variant.shared_bytes,
         _signature(spec),
         operands + tuple(scalars[name] for name in spec.scalars),
@@ -316,7 +318,7 @@ def qkv_prologue_cuda(
         nvrtc.function(variant, layout.device_index),
         layout.device_index,
         (layout.seq, layout.batch, 1),
-        variant.spec.threads,
+        variant.threads,
         0,
         _PROLOGUE_SIGNATURE,
         [*layout.pointers, *(t.data_ptr() for t in outs), *scalars],
@@ -335,9 +337,9 @@ def qkv_prologue_split_cuda(layout: PrologueLayout, one_allocation: bool = False
     groups, seq = layout.batch * layout.heads, layout.seq
     planes, colmax = _split_buffers(groups, seq, seq, layout.head_dim, layout.device_index, one_allocation)
     variant = prologue_split_variant(layout.head_dim, DTYPE_NAMES[layout.dtype])
-    grid = (groups, -(-seq // variant.spec.rows_per_block), 3)
+    grid = (groups, -(-seq // variant.rows_per_block), 3)
     outs = (planes.data_ptr(), colmax.data_ptr())
     args = (*layout.pointers, *outs, *layout.strides, layout.text_len, seq, layout.heads, *layout.eps, int(layout.rope))
     function = nvrtc.function(variant, layout.device_index)
-    _two_phases(function, layout.device_index, grid, variant.spec.threads, _PROLOGUE_SPLIT_SIGNATURE, args)
+    _two_phases(function, layout.device_index, grid, variant.threads, _PROLOGUE_SPLIT_SIGNATURE, args)
     return SplitPlanes(planes, colmax, layout.heads, seq)

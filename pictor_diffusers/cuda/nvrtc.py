@@ -197,7 +197,7 @@ def _load(variant: Variant, device_index: int) -> tuple[Any, int]:
         except cupy.cuda.driver.CUDADriverError:
             module = _module(cupy, cached_module(variant, capability, rebuild=True))
         handle = module.get_function(variant.spec.entry).ptr
-        shared = variant.spec.shared_bytes(variant.head_dim)
+        shared = variant.shared_bytes
         if shared > 48 * 1024:
             driver = cupy.cuda.driver
             driver.funcSetAttribute(handle, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)

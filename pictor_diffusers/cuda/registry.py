@@ -3,7 +3,8 @@ rows in `pass_rows.py`, whose `prepass_for` names the prepass build a row's oper
 
 A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute capability), how it is built
 (source, `-D` geometry, arch) and how it is launched (threads, rows per block, shared memory, operand and
-scalar lists).
+scalar lists); a row may launch differently at some head_dims (`BlockShape`), and a build (`Variant`) says
+which applies.
 `selection.select_kernel` chooses among the rows from plain facts. Adding a kernel means adding a row here and
 its `.cu` file in `kernels/`; `launch.py` runs any row. Everything here is a table or a pure lookup.
 
@@ -33,9 +34,27 @@ def _fp8_smem(d: int) -> int:
     return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
 
 
-def _wgmma_smem(d: int, q_tiles: int, stages: int, out_tiles: int = 0) -> int:
-    """Alignment slack, Q tiles, stages of K and V and output staging tiles (128 x d 16-bit each), mbarriers."""
-    return 1024 + (q_tiles + 2 * stages + out_tiles) * 128 * d * 2 + 8 * (4 + 4 * stages)
+_WGMMA_TILES = {128: (128, 3, 2), 64: (192, 4, 3)}
+"""The wgmma row's tiling by head_dim: (query rows per block, K/V stages, the persistent build's K/V stages). At 64
+a key tile's exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows) keep
+the tensor cores busy through one another's softmax, and the tiles, half as large, leave room for a stage more."""
+
+
+def _wgmma_shape(d: int) -> BlockShape:
+    """The wgmma row's launch at head_dim `d`: a producer warpgroup and one consumer warpgroup per 64 query rows,
+    128-key tiles."""
+    rows, stages, persistent_stages = _WGMMA_TILES[d]
+    threads = 128 * (1 + rows // 64)
+    geometry = {"BQ": str(rows), "BK": "128", "STAGES": str(stages), "THREADS": str(threads)}
+    return BlockShape(threads, rows, geometry, {"STAGES": str(persistent_stages)})
+
+
+def _wgmma_smem(d: int, persistent: bool = False) -> int:
+    """Alignment slack, the Q tile (the persistent build: two, and an output staging tile; rows per block x d
+    16-bit each), the stages of K and V (128 x d), mbarriers."""
+    rows, stages, persistent_stages = _WGMMA_TILES[d]
+    q_tiles, stages = (3, persistent_stages) if persistent else (1, stages)
+    return 1024 + q_tiles * rows * d * 2 + 2 * stages * 128 * d * 2 + 8 * (4 + 4 * stages)
 
 
 def _fp16x3_smem(d: int) -> int:
@@ -60,6 +79,17 @@ MAP_SCALARS = ("heads", "seq_q", "seq_k", "out_pitch", "scale_log2")
 """The scalars of the TMA kernels: the maps carry the pitches."""
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """How a row's builds at one head_dim are launched (`KernelSpec.shape`): block size, query rows per block
+    (a work tile), and the `-D` geometry of both builds and what the persistent build changes of it."""
+
+    threads: int
+    rows_per_block: int
+    geometry: Mapping[str, str]
+    persistent_geometry: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
     """One attention kernel: what it takes, how it is built and launched.
@@ -73,7 +103,7 @@ class KernelSpec:
         head_dims: head_dims it computes exactly.
         min_capability: oldest compute capability; `exact_capability` pins one.
         arch_suffix: "a" for arch-specific cubins (sm_90a: wgmma, setmaxnreg).
-        threads, rows_per_block: block size and query rows per block.
+        threads, rows_per_block: block size and query rows per block (unless `head_dim_shapes` says otherwise).
         shared_bytes: dynamic shared memory per block, by head_dim.
         prefix: the source's macro prefix (FT_, MH_, ...).
         geometry: constants passed as `-D{prefix}{key}`.
@@ -96,6 +126,9 @@ class KernelSpec:
             one head and batch; its other build (`PERSISTENT=0`) runs one block per work tile.
         persistent_geometry, persistent_shared_bytes: what the persistent build changes of `geometry` and
             `shared_bytes`.
+        head_dim_shapes: head_dim -> the `BlockShape` its builds launch with instead of the row's `threads`,
+            `rows_per_block`, `geometry` and `persistent_geometry` (`shape`); `shared_bytes` already takes
+            the head_dim.
         beats_sdpa_on: for the 16-bit family, the (compute capability, head_dim) pairs at which it was
             measured at least as fast as torch's SDPA; elsewhere "auto" prefers SDPA for calls SDPA
             can serve.
@@ -126,11 +159,19 @@ class KernelSpec:
     persistent: bool = False
     persistent_geometry: Mapping[str, str] = field(default_factory=dict)
     persistent_shared_bytes: Callable[[int], int] | None = None
+    head_dim_shapes: Mapping[int, BlockShape] = field(default_factory=dict)
     beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
     def writes(self, in_dtype: str) -> tuple[str, ...]:
         """The output dtypes it writes for `in_dtype` inputs."""
         return (in_dtype,) if self.out_dtypes == "same" else self.out_dtypes
+
+    def shape(self, head_dim: int) -> BlockShape:
+        """How its builds at `head_dim` are launched: the `head_dim_shapes` entry, else the row's own."""
+        shape = self.head_dim_shapes.get(head_dim)
+        if shape is None:
+            return BlockShape(self.threads, self.rows_per_block, self.geometry, self.persistent_geometry)
+        return shape
 
 
 _WARP_SPECIALISED = {
@@ -138,7 +179,8 @@ _WARP_SPECIALISED = {
     "threads": 384, "rows_per_block": 128, "flags": (),
 }  # fmt: skip
 """What the three Hopper rows share: sm_90a only, a producer and two consumer warpgroups, 128-row query
-blocks, head_dim 128, no -ftz (fp16x3 keeps subnormal scale factors)."""
+blocks, head_dim 128 (the wgmma row's head_dim 64: three consumer warpgroups, 192 rows), no -ftz (fp16x3 keeps
+subnormal scale factors)."""
 
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
@@ -164,15 +206,16 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
         **{**_WARP_SPECIALISED, "head_dims": (64, 128)},
-        shared_bytes=lambda d: _wgmma_smem(d, q_tiles=1, stages=3),
+        shared_bytes=_wgmma_smem,
         prefix="WG_",
-        geometry={"BQ": "128", "BK": "128", "STAGES": "3", "THREADS": "384"},
+        geometry=_wgmma_shape(128).geometry,
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=(*MAP_SCALARS, "batch"),
         persistent=True,
-        persistent_geometry={"STAGES": "2"},
-        persistent_shared_bytes=lambda d: _wgmma_smem(d, q_tiles=2, stages=2, out_tiles=1),
+        persistent_geometry=_wgmma_shape(128).persistent_geometry,
+        persistent_shared_bytes=functools.partial(_wgmma_smem, persistent=True),
+        head_dim_shapes={64: _wgmma_shape(64)},
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(
@@ -300,10 +343,25 @@ class Variant:
             values["PERSISTENT"] = str(int(self.persistent))
         if spec.smem_define:
             values["SMEM_BYTES"] = str(self.shared_bytes)
-        values.update(spec.geometry)
+        values.update(self.shape.geometry)
         if self.persistent:
-            values.update(spec.persistent_geometry)
+            values.update(self.shape.persistent_geometry)
         return tuple((spec.prefix + key, value) for key, value in values.items())
+
+    @functools.cached_property
+    def shape(self) -> BlockShape:
+        """How this build is launched (its row's `shape` at its head_dim)."""
+        return self.spec.shape(self.head_dim)
+
+    @property
+    def threads(self) -> int:
+        """Threads per block of this build."""
+        return self.shape.threads
+
+    @property
+    def rows_per_block(self) -> int:
+        """Query rows per block (per work tile, in the persistent build) of this build."""
+        return self.shape.rows_per_block
 
     @property
     def shared_bytes(self) -> int:
@@ -323,7 +381,7 @@ class Variant:
 
     def grid(self, batch: int, heads: int, seq: int, multiprocessors: int) -> tuple[int, int, int]:
         """The launch grid over `batch` x `heads` x `seq` query rows on a device of `multiprocessors` SMs."""
-        blocks = -(-seq // self.spec.rows_per_block)
+        blocks = -(-seq // self.rows_per_block)
         if self.persistent:
             return (min(blocks * heads * batch, multiprocessors), 1, 1)
         return (blocks, heads, batch)

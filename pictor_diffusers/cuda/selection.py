@@ -67,7 +67,7 @@ def blocker(spec: KernelSpec, problem: Problem) -> str | None:
         return f"needs compute capability {spec.exact_capability}, the device has {problem.capability}"
     if problem.capability < spec.min_capability:
         return f"needs compute capability {spec.min_capability}+, the device has {problem.capability}"
-    needed = spec.shared_bytes(variant_for(spec, problem.head_dim, "float32", "float32").head_dim)
+    needed = variant_for(spec, problem.head_dim, "float32", "float32", short_keys=problem.short_keys).shared_bytes
     if needed > problem.shared_limit:
         return f"needs {needed} bytes of shared memory per block, the device allows {problem.shared_limit}"
     if spec.name != "f32" and not problem.aligned:
