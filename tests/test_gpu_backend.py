@@ -12,9 +12,9 @@ kernel of the path's family.
   SDPA's math backend (the yardstick of test_gpu_model16.py), + 1e-4.
 
 Token counts: 138 (not a multiple of 128) and 128, batch 1 and 2, separate and
-fused projections. Direct dispatcher calls: masks, `pictor_bf16` reading token-major
-q/k/v in place, and `pictor_fp8` running the 8-bit kernel (its 16-bit fallback at
-head_dim 64).
+fused projections. Direct dispatcher calls: masks and `pictor_bf16` reading token-major
+q/k/v in place (head_dim 128 and 64: wgmma's 192-row query blocks there), and
+`pictor_fp8` running the 8-bit kernel (its 16-bit fallback at head_dim 64).
 """
 
 from __future__ import annotations
@@ -170,17 +170,23 @@ def test_flux1_against_native(
 MASKED_KERNELS = {"pictor": "fp32", "pictor_bf16": "16bit"}
 
 
+HEAD_DIMS = pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
+
+
+@HEAD_DIMS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(MASKED_KERNELS))
 @pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(3, 300, 300), (2, 4096, 4096 + 77)])
-def test_key_padding_mask(batch: int, seq_q: int, seq_k: int, name: str, dtype: torch.dtype, monkeypatch) -> None:
+def test_key_padding_mask(
+    batch: int, seq_q: int, seq_k: int, name: str, dtype: torch.dtype, head_dim: int, monkeypatch
+) -> None:
     """A Qwen-Image-style `[B, 1, 1, Nk]` bool mask (holes anywhere; one batch keeps no key) served by one
     pictor launch on CUDA tensors, against float64 SDPA with the same mask (16-bit: on the rounded inputs)."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     generator = torch.Generator(device="cuda").manual_seed(seq_k)
-    query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).to(dtype)
-    key, value = (torch.randn(batch, seq_k, 4, 128, device="cuda", generator=generator).to(dtype) for _ in "kv")
+    query = torch.randn(batch, seq_q, 4, head_dim, device="cuda", generator=generator).to(dtype)
+    key, value = (torch.randn(batch, seq_k, 4, head_dim, device="cuda", generator=generator).to(dtype) for _ in "kv")
     mask = torch.rand(batch, 1, 1, seq_k, device="cuda", generator=generator) > 0.3
     mask[1] = False
     compute = torch.float32 if name == "pictor" else torch.bfloat16
@@ -195,20 +201,22 @@ def test_key_padding_mask(batch: int, seq_q: int, seq_k: int, name: str, dtype: 
     kept = [b for b in range(batch) if b != 1]  # native's rows with no key differ by kernel: not a yardstick
     native_error = ((native[kept].double() - exact[kept]).norm() / exact[kept].norm()).item()
     bound = FP32_REL_L2_TOL if compute == dtype == torch.float32 else 2.0 * native_error + 4e-3
-    print(f"mask B{batch} Nq{seq_q} Nk{seq_k} {name} {dtype}: rel L2 {error:.2e} (native {native_error:.2e})")
+    print(
+        f"mask B{batch} Nq{seq_q} Nk{seq_k} D{head_dim} {name} {dtype}: rel L2 {error:.2e} (native {native_error:.2e})"
+    )
     assert error <= bound, f"{name} {dtype}: rel L2 {error:.3e} > {bound:.3e}"
 
 
 def token_major_qkv(
-    batch: int, seq_q: int, seq_k: int, kernel: str
+    batch: int, seq_q: int, seq_k: int, kernel: str, head_dim: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Seeded N(0, 1) bf16 q `[B, Nq, 4, 128]`, k, v `[B, Nk, 4, 128]` on CUDA and their head-major contiguous
+    """Seeded N(0, 1) bf16 q `[B, Nq, 4, D]`, k, v `[B, Nk, 4, D]` on CUDA and their head-major contiguous
     copies; skips when `kernel` cannot run them here."""
     from pictor_diffusers.cuda.plan import cannot_run
 
     generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
-    query = torch.randn(batch, seq_q, 4, 128, device="cuda", generator=generator).bfloat16()
-    key, value = (torch.randn(batch, seq_k, 4, 128, device="cuda", generator=generator).bfloat16() for _ in "kv")
+    query = torch.randn(batch, seq_q, 4, head_dim, device="cuda", generator=generator).bfloat16()
+    key, value = (torch.randn(batch, seq_k, 4, head_dim, device="cuda", generator=generator).bfloat16() for _ in "kv")
     head_major = [t.transpose(1, 2).contiguous() for t in (query, key, value)]
     reason = cannot_run(kernel, *head_major)
     if reason is not None:
@@ -216,15 +224,16 @@ def token_major_qkv(
     return query, key, value, head_major
 
 
+@HEAD_DIMS
 @pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(2, 300, 300), (1, 4608, 4608), (2, 4096, 512)])
-def test_bf16_backend_reads_token_major_in_place(batch: int, seq_q: int, seq_k: int) -> None:
-    """`pictor_bf16` on bf16 `[B, N, H, 128]` hands the dispatcher's token-major tensors to the Hopper kernel
+def test_bf16_backend_reads_token_major_in_place(batch: int, seq_q: int, seq_k: int, head_dim: int) -> None:
+    """`pictor_bf16` on bf16 `[B, N, H, D]` hands the dispatcher's token-major tensors to the Hopper kernel
     as they are: the call allocates only its output, and the result is the head-major launch's, bit for bit."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     from pictor_diffusers import attention
 
-    query, key, value, head_major = token_major_qkv(batch, seq_q, seq_k, "wgmma")
+    query, key, value, head_major = token_major_qkv(batch, seq_q, seq_k, "wgmma", head_dim)
     expected = attention(*head_major).view(query.shape)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]

@@ -32,7 +32,9 @@ KERNEL_HEAD_DIMS = {name: BY_NAME[name].head_dims for name in ("wgmma", "mma16")
 DTYPES = [torch.bfloat16, torch.float16]
 
 # (B, H, N, D): FLUX.2 at 512²/1024² with 24 and 48 heads; odd N, not multiples of the
-# 128-row query block nor of the 64- or 128-key tiles; N = 1.
+# 128- or 192-row query blocks (192: wgmma at head_dim 64) nor of the 64- or 128-key tiles; N = 1;
+# at head_dim 64, N below one 192-row block and between 128 and 192 (the third consumer warpgroup's rows
+# past N).
 SHAPES = [
     (1, 24, 4608, 128),
     (2, 24, 1536, 128),
@@ -43,6 +45,9 @@ SHAPES = [
     (2, 5, 4097, 128),
     (2, 5, 4097, 64),
     (1, 24, 1536, 64),
+    (2, 3, 77, 64),
+    (1, 4, 150, 64),
+    (1, 24, 1, 64),
 ]
 CASES = [(kernel, shape) for kernel in KERNEL_HEAD_DIMS for shape in SHAPES if shape[3] in KERNEL_HEAD_DIMS[kernel]]
 Shape = tuple[int, int, int, int]
@@ -215,16 +220,18 @@ def test_auto_picks_the_expected_kernel(shape: Shape, dtype: torch.dtype) -> Non
     assert torch.equal(out, direct), f"kernel='auto' does not match a direct launch of {expected}"
 
 
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 @pytest.mark.parametrize("seq_k", [SHORT_KEYS, SHORT_KEYS + 1])
-def test_short_key_sequences_run_the_persistent_build(seq_k: int) -> None:
+def test_short_key_sequences_run_the_persistent_build(seq_k: int, head_dim: int) -> None:
     """Cross-attention over at most SHORT_KEYS keys runs wgmma's persistent build, longer keys the other; both
-    within SDPA's error (3000 queries: 24 x 40 = 960 work tiles, more than the SMs)."""
-    query = qkv16((1, 40, 3000, 128), torch.bfloat16, seed=5)[0]
-    key, value = qkv16((1, 40, seq_k, 128), torch.bfloat16, seed=6)[1:]
+    within SDPA's error (3000 queries: 24 x 40 = 960 work tiles at head_dim 128, 16 x 40 = 640 of 192 rows at
+    64, more than the SMs)."""
+    query = qkv16((1, 40, 3000, head_dim), torch.bfloat16, seed=5)[0]
+    key, value = qkv16((1, 40, seq_k, head_dim), torch.bfloat16, seed=6)[1:]
     blocker_or_skip("wgmma", query, key, value)
-    plan = plan_attention(query, key, value, 128**-0.5, "wgmma", query.dtype)
+    plan = plan_attention(query, key, value, head_dim**-0.5, "wgmma", query.dtype)
     assert plan.selection.variant.persistent == (seq_k <= SHORT_KEYS)
-    assert_within_sdpa16(f"wgmma Nk={seq_k}", launch("wgmma", query, key, value), query, key, value)
+    assert_within_sdpa16(f"wgmma D{head_dim} Nk={seq_k}", launch("wgmma", query, key, value), query, key, value)
 
 
 @pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))
@@ -273,7 +280,7 @@ def _layouts(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"token_major": token_major, "row_slice": longer[:, :, :seq], "unaligned": shifted}
 
 
-STRIDED_SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 5, 4097, 128), (1, 4, 1000, 64)]
+STRIDED_SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 5, 4097, 128), (1, 4, 1000, 64), (2, 3, 77, 64)]
 
 
 @pytest.mark.parametrize("layout", ["token_major", "row_slice", "unaligned"])

@@ -3,7 +3,9 @@
 Against float64 on the same inputs (16-bit kernels: the same 16-bit-rounded
 inputs). Outputs and LSE are poisoned with NaN before each launch: rows a
 window leaves out must stay NaN, rows it covers must be written. Inputs are
-fresh N(0,1) draws; lengths are not multiples of any kernel's tiles.
+fresh N(0,1) draws; lengths are not multiples of any kernel's tiles (the
+192-row query blocks of wgmma at head_dim 64 included). head_dim 128 and 64,
+where a kernel runs it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ KERNELS = [
 LSE_MAX_ABS = 1e-5
 # (B, H, Nq, Nk): Nq < Nk and Nq > Nk, one key, a klein-KV-like text+image over text+ref+image.
 LENGTHS = [(1, 3, 200, 1000), (2, 2, 1000, 77), (1, 2, 129, 1), (1, 4, 1536, 2560)]
+HEAD_DIMS = pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 
 
 def _skip_unless_runs(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -38,10 +41,12 @@ def _skip_unless_runs(kernel: str, query: torch.Tensor, key: torch.Tensor, value
         pytest.skip(reason)
 
 
-def _inputs(batch: int, heads: int, seq_q: int, seq_k: int, dtype: torch.dtype, seed: int):
+def _inputs(batch: int, heads: int, seq_q: int, seq_k: int, dtype: torch.dtype, seed: int, head_dim: int = 128):
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    query = torch.randn(batch, heads, seq_q, 128, device="cuda", generator=generator).to(dtype)
-    key, value = (torch.randn(batch, heads, seq_k, 128, device="cuda", generator=generator).to(dtype) for _ in "kv")
+    query = torch.randn(batch, heads, seq_q, head_dim, device="cuda", generator=generator).to(dtype)
+    key, value = (
+        torch.randn(batch, heads, seq_k, head_dim, device="cuda", generator=generator).to(dtype) for _ in "kv"
+    )
     return query, key, value
 
 
@@ -58,27 +63,30 @@ def _launch(kernel: str, query, key, value, window=None):
     return out, lse
 
 
+@HEAD_DIMS
 @pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k"), LENGTHS)
 @pytest.mark.parametrize(("kernel", "dtype", "bound"), KERNELS, ids=lambda x: str(x).removeprefix("torch."))
 def test_unequal_lengths_and_lse(kernel: str, dtype: torch.dtype, bound: float, batch: int, heads: int,
-                                 seq_q: int, seq_k: int) -> None:  # fmt: skip
-    query, key, value = _inputs(batch, heads, seq_q, seq_k, dtype, seed=seq_q + seq_k)
+                                 seq_q: int, seq_k: int, head_dim: int) -> None:  # fmt: skip
+    query, key, value = _inputs(batch, heads, seq_q, seq_k, dtype, seed=seq_q + seq_k, head_dim=head_dim)
     _skip_unless_runs(kernel, query, key, value)
     out, lse = _launch(kernel, query, key, value)
     out_error = (out.double() - attention_float64(query, key, value)).abs().max().item()
     lse_error = (lse.double() - lse_float64(query, key)).abs().max().item()
-    print(f"{kernel} {dtype} {batch}x{heads} Nq={seq_q} Nk={seq_k}: out {out_error:.2e}, lse {lse_error:.2e}")
+    label = f"{kernel} {dtype} D{head_dim} {batch}x{heads} Nq={seq_q} Nk={seq_k}"
+    print(f"{label}: out {out_error:.2e}, lse {lse_error:.2e}")
     assert out_error <= bound
     assert lse_error <= LSE_MAX_ABS
 
 
+@HEAD_DIMS
 @pytest.mark.parametrize(("kernel", "dtype", "bound"), KERNELS, ids=lambda x: str(x).removeprefix("torch."))
-def test_window_writes_only_its_rows(kernel: str, dtype: torch.dtype, bound: float) -> None:
+def test_window_writes_only_its_rows(kernel: str, dtype: torch.dtype, bound: float, head_dim: int) -> None:
     """Query rows [3, 150) over keys [40, 700) of a 300 x 1000 problem (the klein-KV extract step's
     "reference queries see reference keys" without copies)."""
     from pictor_diffusers.cuda.geometry import Window
 
-    query, key, value = _inputs(2, 3, 300, 1000, dtype, seed=11)
+    query, key, value = _inputs(2, 3, 300, 1000, dtype, seed=11, head_dim=head_dim)
     _skip_unless_runs(kernel, query, key, value)
     window = Window(3, 150, 40, 700)
     out, lse = _launch(kernel, query, key, value, window)

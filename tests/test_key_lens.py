@@ -4,8 +4,10 @@ Batch b attends only its first `key_lens[b]` keys. Checked against float64 atten
 keys, per batch: on CPU (the reference path) always, and on every CUDA kernel where a GPU is present.
 Counts cover every key, one key, a count that is no multiple of any kernel's key tile, and none (rows
 of 0, LSE -inf, as torch's SDPA gives a row whose keys are all masked); out-of-range counts are clamped.
-The last case has more 128-row work tiles (360) than an H100 or H200 has SMs, so each block of a persistent
-kernel takes several, across batches with and without keys.
+The "more-work-tiles-than-SMs" case has more work tiles (360 of 128 rows, 240 of 192 at head_dim 64) than an
+H100 or H200 has SMs, so each block of a persistent kernel takes several, across batches with and without keys;
+the last attends more than `registry.SHORT_KEYS` keys, so the wgmma kernel's other build (one block per work
+tile) meets a batch without keys. The CUDA kernels run at head_dim 128 and 64 (where they can).
 CUDA outputs and LSE are poisoned with a finite sentinel before the launch, so a row left unwritten fails.
 """
 
@@ -23,8 +25,9 @@ CASES = [
     (4, 3, 200, 1000, [0, 1000, 77, 513]),
     (2, 1, 129, 131, [131 + 40, -3]),
     (3, 40, 300, 700, [700, 0, 333]),
+    (2, 2, 150, 2100, [0, 2077]),
 ]
-CASE_IDS = ["partial", "none-full-partial", "clamped", "more-work-tiles-than-SMs"]
+CASE_IDS = ["partial", "none-full-partial", "clamped", "more-work-tiles-than-SMs", "long-keys-none-partial"]
 SENTINEL = 12345.0
 # kernel, input dtype, output max-abs bound against float64 on the rounded inputs, LSE bound.
 KERNELS = [
@@ -76,21 +79,25 @@ def test_key_lens_is_checked() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 @pytest.mark.parametrize(("kernel", "dtype", "bound", "lse_bound"), KERNELS, ids=[f"{k[0]}-{k[1]}" for k in KERNELS])
 @pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k", "counts"), CASES, ids=CASE_IDS)
-def test_cuda_kernels(batch, heads, seq_q, seq_k, counts, kernel: str, dtype, bound: float, lse_bound: float) -> None:
+def test_cuda_kernels(
+    batch, heads, seq_q, seq_k, counts, kernel: str, dtype, bound: float, lse_bound: float, head_dim: int
+) -> None:
     from pictor_diffusers.cuda.launch import run
     from pictor_diffusers.cuda.plan import cannot_run, plan_attention
 
-    query, key, value = _inputs(batch, heads, seq_q, seq_k, 128, dtype, "cuda")
+    query, key, value = _inputs(batch, heads, seq_q, seq_k, head_dim, dtype, "cuda")
     out_dtype = query.dtype
     reason = cannot_run(kernel, query, key, value, out_dtype)
     if reason is not None:
         pytest.skip(reason)
-    out = torch.full((batch, seq_q, heads * 128), SENTINEL, device="cuda", dtype=out_dtype)
+    out = torch.full((batch, seq_q, heads * head_dim), SENTINEL, device="cuda", dtype=out_dtype)
     lse = torch.full((batch, seq_q, heads), SENTINEL, device="cuda")
     key_lens = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    run(plan_attention(query, key, value, 128**-0.5, kernel, out_dtype, out=out, lse=lse, key_lens=key_lens))
+    scale = head_dim**-0.5
+    run(plan_attention(query, key, value, scale, kernel, out_dtype, out=out, lse=lse, key_lens=key_lens))
     torch.cuda.synchronize()
     assert not (out == SENTINEL).any() and not (lse == SENTINEL).any(), "rows left unwritten"
     _check(out, lse, query, key, value, counts, bound, lse_bound)
