@@ -392,8 +392,8 @@ joint_attention_wgmma(
     const wg_schedule sched = wg_schedule::of(seq_q, num_heads, seq_k, batch, key_lens);
     if (WG_PERSISTENT && threadIdx.x == 0) {   /* run() fences them */
         pk_bar_init(m.q_full_of(1), 1);
-        pk_bar_init(m.q_free(0), wg_smem::CONSUMER_WARPS);
-        pk_bar_init(m.q_free(1), wg_smem::CONSUMER_WARPS);
+        pk_bar_init(m.q_free(0), wg_smem::consumer_warps());
+        pk_bar_init(m.q_free(1), wg_smem::consumer_warps());
     }
     const pk_out_dst dst = {&tm_o, out, lse, sched.num_heads, seq_q, out_pitch};
 #if WG_PERSISTENT

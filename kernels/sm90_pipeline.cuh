@@ -128,8 +128,10 @@ __device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
    phase j / STAGES, and the producer reuses the stage once the consumers freed round j / STAGES - 1. */
 template <int STAGES, int CONSUMERS = 2>
 struct pk_ring {
-    static constexpr unsigned int CONSUMER_WARPS = 4 * CONSUMERS;
     unsigned int bars;
+    /* The arrivals that free a stage: one per consumer warp (a function, not a static member, which NVRTC
+       would emit as a global). */
+    __device__ static constexpr unsigned int consumer_warps() { return 4 * CONSUMERS; }
     __device__ unsigned int q_full() const { return bars; }
     __device__ unsigned int k_full(unsigned int s) const { return bars + 8 * (1 + s); }
     __device__ unsigned int v_full(unsigned int s) const { return bars + 8 * (1 + STAGES + s); }
@@ -144,8 +146,8 @@ struct pk_ring {
             for (int s = 0; s < STAGES; s++) {
                 pk_bar_init(k_full(s), 1);
                 pk_bar_init(v_full(s), 1);
-                pk_bar_init(k_free(s), CONSUMER_WARPS);
-                pk_bar_init(v_free(s), CONSUMER_WARPS);
+                pk_bar_init(k_free(s), consumer_warps());
+                pk_bar_init(v_free(s), consumer_warps());
             }
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }

@@ -9,7 +9,8 @@
 * One block fits the register file, and no variant that runs FLUX.2 spills:
   by ptxas where it is on PATH and takes NVRTC's PTX, else from NVRTC's own
   cubin by cuobjdump.
-* The wgmma cubins are complete ELFs whose SASS holds HGMMA (IGMMA and QGMMA for fp8) and no local memory.
+* The wgmma cubins are complete ELFs whose SASS holds HGMMA (IGMMA and QGMMA for fp8), and no local memory
+  or device globals (a `static constexpr` member, for one, would be emitted as a global).
 * Every `#include` of a source or header names one of `sources.HEADERS`, which NVRTC gets in memory.
 
 Tests skip with the reason when CuPy (NVRTC) or the tools a check needs are absent.
@@ -243,8 +244,10 @@ def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
     for instruction in ("IGMMA", "QGMMA") if variant.spec.name == "fp8" else ("HGMMA",):
         assert instruction in sass, f"{variant.name}: no {instruction} in the SASS"
     if Path(tool[0]).name == "cuobjdump":
-        local = re.search(r"LOCAL:(\d+)", _run([tool[0], "-res-usage", str(path)]))
+        usage = _run([tool[0], "-res-usage", str(path)])
+        local, globals_ = re.search(r"LOCAL:(\d+)", usage), re.search(r"GLOBAL:(\d+)", usage)
         assert local is not None and int(local.group(1)) == 0, f"{variant.name} uses local memory"
+        assert globals_ is not None and int(globals_.group(1)) == 0, f"{variant.name} defines device globals"
 
 
 @needs_cupy
