@@ -12,9 +12,9 @@
        up to WG_STAGES tiles ahead;
      * warpgroups 1 .. WG_CONSUMERS = WG_BQ / 64 are consumers, 64 query rows
        each: two at head_dim 128 (240 registers a thread), three at 64 (160),
-       where a key tile's exponentials take the SM as long as its products
-       and a third warpgroup keeps the tensor cores busy through the others'
-       softmax. Per key tile j they issue
+       where a key tile's exponentials take the SM as long as its products,
+       so a third warpgroup is to keep the tensor cores busy through the
+       others' softmax. Per key tile j they issue
        S_j = Q K_j^T (wgmma, both operands in shared memory) and
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then
        tile j's softmax, and wait for the P.V product only after it. ptxas

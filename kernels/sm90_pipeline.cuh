@@ -109,7 +109,7 @@ template <int CONSUMERS, typename Produce, typename Consume>
 __device__ __forceinline__ void pk_specialise(Produce produce, Consume consume)
 {
     static_assert(CONSUMERS >= 2 && pk_consumer_regs<CONSUMERS>() >= PK_PRODUCER_REGS,
-                  "setmaxnreg takes 24 to 256 registers: two or more consumer warpgroups");
+                  "two or more consumer warpgroups, each left at least the producer's registers");
     if (threadIdx.x < 128) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PK_PRODUCER_REGS) : "memory");
         if (threadIdx.x == 0) produce();

@@ -104,6 +104,15 @@ def test_compiles_with_its_family_instructions(variant: Variant, arch: str) -> N
     _family_instructions(variant, ptx)
 
 
+def _setmaxnreg_counts(ptx: str) -> tuple[int, int] | None:
+    """A warp-specialised kernel's setmaxnreg counts, (producer's decrease, consumers' increase); None without."""
+    counts = {kind: set(re.findall(rf"setmaxnreg\.{kind}\.sync\.aligned\.u32\s+(\d+)", ptx)) for kind in ("dec", "inc")}
+    if not any(counts.values()):
+        return None
+    (producer,), (consumer,) = counts["dec"], counts["inc"]
+    return int(producer), int(consumer)
+
+
 @needs_cupy
 @pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=BUILD_IDS)
 def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_path: Path) -> None:
@@ -111,6 +120,14 @@ def test_fits_the_register_file_without_spills(variant: Variant, arch: str, tmp_
     resources = parse_resources(report) if report else cubin_resources(variant, arch, tmp_path)
     print(f"{variant.name} {arch}: {resources}")
     assert resources["registers"] * variant.threads <= 65536, f"one block does not fit: {resources}"
+    handover = _setmaxnreg_counts(ptx_for(variant, arch))
+    if handover is not None:
+        producer, consumer = handover
+        needed = 128 * producer + (variant.threads - 128) * consumer
+        assert needed <= resources["registers"] * variant.threads, (
+            f"{variant.name}: the block starts with {resources['registers']} x {variant.threads} registers, its "
+            f"setmaxnreg hand-over needs {needed}: the consumers' increase would wait forever"
+        )
     if variant.name in MAY_SPILL:
         return
     assert not spills(resources), f"{variant.name} on {arch} spills or uses a stack frame: {resources}"
@@ -129,11 +146,11 @@ def test_compiled_for_the_block_the_host_launches(variant: Variant, arch: str) -
     bound = re.search(r"^\s*\.maxntid\s+(\d+)", ptx, re.MULTILINE)
     if bound is not None:
         assert int(bound.group(1)) == variant.threads, f"{variant.name}: .maxntid {bound.group(1)}"
-    counts = {kind: [int(n) for n in re.findall(rf"setmaxnreg\.{kind}\.sync\.aligned\.u32\s+(\d+)", ptx)]
-              for kind in ("dec", "inc")}  # fmt: skip
-    if not any(counts.values()):
+    handover = _setmaxnreg_counts(ptx)
+    if handover is None:
         return
-    (producer,), (consumer,) = set(counts["dec"]), set(counts["inc"])
+    producer, consumer = handover
+    counts = {"dec": producer, "inc": consumer}
     assert all(24 <= n <= 256 and n % 8 == 0 for n in (producer, consumer)), counts
     assert 128 * producer + (variant.threads - 128) * consumer <= 65536, f"{variant.name}: {counts}"
 

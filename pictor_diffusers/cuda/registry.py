@@ -36,8 +36,9 @@ def _fp8_smem(d: int) -> int:
 
 _WGMMA_TILES = {128: (128, 3, 2), 64: (192, 4, 3)}
 """The wgmma row's tiling by head_dim: (query rows per block, K/V stages, the persistent build's K/V stages). At 64
-a key tile's exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows) keep
-the tensor cores busy through one another's softmax, and the tiles, half as large, leave room for a stage more."""
+a key tile's exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows, as
+FlashAttention-3 tiles head_dim 64) are to keep the tensor cores busy through one another's softmax; the tiles, half
+as large, leave room for a stage more."""
 
 
 def _wgmma_shape(d: int) -> BlockShape:
