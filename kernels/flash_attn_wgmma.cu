@@ -14,7 +14,7 @@
        each: two at head_dim 128 (240 registers a thread), three at 64 (160),
        where a key tile's exponentials take the SM as long as its products,
        so a third warpgroup is to keep the tensor cores busy through the
-       others' softmax. Per key tile j they issue
+       others' softmax. Per key tile j (WG_BK keys) they issue
        S_j = Q K_j^T (wgmma, both operands in shared memory) and
        O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then
        tile j's softmax, and wait for the P.V product only after it. ptxas
@@ -29,7 +29,8 @@
    P.V of the one before, its softmax follows, and
    the finished tile's rows are then rounded (epilogue.cuh) and stored.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
-   (measured faster on long key sequences).
+   (measured faster on long key sequences), with 176-key tiles at WG_D =
+   128: a third fewer tiles pay the per-tile costs (expected faster).
    Stores: each consumer warpgroup stages its rounded rows in shared memory
    (stmatrix) and one of its threads writes them with bulk tensor copies
    (sm90_store.cuh): into an output tile of their own in the persistent
@@ -41,8 +42,8 @@
 
    Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
    WG_SMEM_BYTES come from the host as -D; static_asserts below check them
-   against this kernel's own formulas; WG_BQ, 128 or 192, and WG_STAGES are
-   the free choices):
+   against this kernel's own formulas; WG_BQ (128 or 192), WG_BK (128, or
+   176 with two consumer warpgroups) and WG_STAGES are the free choices):
        grid  = WG_PERSISTENT=1: (min(work tiles, SMs), 1, 1), work tiles =
                ceil(seq_q / WG_BQ) x num_heads x batch, WG_BQ = 128 query
                rows at WG_D = 128, 192 at 64; block b takes tiles b,
@@ -56,11 +57,11 @@
        WG_PERSISTENT output tiles (WG_BQ x WG_D), 16-bit, each stored as
        WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
        swizzle; 1 KiB of alignment slack; then 8 x (4 + 4 WG_STAGES) bytes
-       of mbarriers. At WG_D = 128: 230,528 bytes (WG_PERSISTENT=0, 3
-       stages) and 230,496 (=1, 2 stages); at 64: 156,832 (=0, 4 stages)
-       and 173,184 (=1, 3 stages).
-   Matrix products: wgmma.mma_async, f32 accumulators; m64n128k16 for S and
-   m64n{WG_D}k16 for O.
+       of mbarriers. At WG_D = 128: 214,112 bytes (WG_PERSISTENT=0, 176-key
+       tiles, 2 stages) and 230,496 (=1, 128-key tiles, 2 stages); at 64,
+       128-key tiles: 156,832 (=0, 4 stages) and 173,184 (=1, 3 stages).
+   Matrix products: wgmma.mma_async, f32 accumulators; m64n{WG_BK}k16 for S
+   and m64n{WG_D}k16 for O (WG_BK / 16 k-steps).
        S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
        O += P V  : A = P, packed to 16 bits from the S accumulators (their
                    layout is the A-fragment layout); B = V read transposed
@@ -118,12 +119,14 @@
 #define WG_Q_BYTES (WG_SLABS * WG_BQ * 128)  /* a Q (or output) tile: WG_BQ rows x WG_D columns */
 #define WG_KV_BYTES (WG_SLABS * WG_BK * 128) /* a K or V tile: WG_BK rows x WG_D columns */
 #define WG_O_REGS (WG_D / 2)                 /* a consumer thread's output accumulators */
+#define WG_S_REGS (WG_BK / 2)                /* its scores of a key tile (P: half as many registers) */
 #define WG_Q_BUFS (1 + WG_PERSISTENT)        /* Q tiles: the persistent build loads the next work tile's early */
 #define WG_O_BUFS WG_PERSISTENT              /* output tiles: the persistent build's own staging area */
 #define WG_K0 (WG_Q_BUFS * WG_Q_BYTES)       /* where the K tiles start, after the Q tiles */
 #define WG_BARRIER_BYTES (8 * (4 + 4 * WG_STAGES))   /* the ring's, q_full of Q tile 1, q_free of both */
-static_assert((WG_BQ == 128 || WG_BQ == 192) && WG_BK == 128,
-              "WG_BQ must be 128 or 192 (two or three consumer warpgroups) and WG_BK 128");
+static_assert(WG_BQ == 128 || WG_BQ == 192, "WG_BQ must be 128 or 192 (two or three consumer warpgroups)");
+static_assert(WG_BK == 128 || (WG_BK == 176 && WG_CONSUMERS == 2),
+              "WG_BK must be 128, or 176 with two consumer warpgroups (their 240 registers hold 88 scores and 44 P)");
 static_assert(WG_THREADS == 128 * (1 + WG_CONSUMERS),
               "WG_THREADS must be 128 x (1 + WG_BQ / 64): one producer and the consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
@@ -208,8 +211,8 @@ __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map
    or probabilities of the latest key tile (s, and p: P packed for the next P.V), and the running softmax
    (two rows per thread). */
 struct wg_acc {
-    float o[WG_O_REGS], s[64];
-    unsigned int p[32];
+    float o[WG_O_REGS], s[WG_S_REGS];
+    unsigned int p[WG_S_REGS / 2];
     float m_run[2], l_run[2];
 };
 
@@ -228,17 +231,17 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
     m.wait_q_of(round);
     m.wait_k(st, first);
     if (WITH_PV) m.wait_v(prev, first - 1);
-    pk_pin<64>(a.s);
+    pk_pin<WG_S_REGS>(a.s);
     if (WITH_PV) pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    pk_tile_qk<WG_IN_KIND, WG_D, WG_BQ>(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
+    pk_tile_qk<WG_IN_KIND, WG_D, WG_BQ, WG_BK>(a.s, m.q(round) + wg_rows0() * 128, m.k(st));
     if (WITH_PV) {
-        pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
+        pk_tile_pv<WG_IN_KIND, WG_D, WG_BK>(a.o, a.p, m.v(prev));
         pk_wgmma_wait<1>();
     } else {
         pk_wgmma_wait<0>();
     }
-    pk_pin<64>(a.s);
+    pk_pin<WG_S_REGS>(a.s);
     m.free_k(st);
     m_run[0] = m_run[1] = PK_NEG_INF;
     l_run[0] = l_run[1] = 0.f;
@@ -267,13 +270,13 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     float corr[2];
     m.wait_k(st, c);
     m.wait_v(prev, c - 1);
-    pk_pin<64>(a.s);
+    pk_pin<WG_S_REGS>(a.s);
     pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    pk_tile_qk<WG_IN_KIND, WG_D, WG_BQ>(a.s, q_rows, m.k(st));
-    pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(prev));
+    pk_tile_qk<WG_IN_KIND, WG_D, WG_BQ, WG_BK>(a.s, q_rows, m.k(st));
+    pk_tile_pv<WG_IN_KIND, WG_D, WG_BK>(a.o, a.p, m.v(prev));
     pk_wgmma_wait<1>();
-    pk_pin<64>(a.s);
+    pk_pin<WG_S_REGS>(a.s);
     m.free_k(st);
     pk_mask_tail<WG_BK / 8>(a.s, j * WG_BK, wk.seq_k, threadIdx.x & 3u);
     pk_online_softmax<WG_BK / 8, 1, true>(a.s, a.m_run, a.l_run, corr, scale_log2);
@@ -281,7 +284,7 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_pin<WG_O_REGS>(a.o);
     m.free_v(prev);
     pk_rescale<WG_D / 8>(a.o, corr);
-    pk_pack_p<WG_IN_KIND>(a.p, a.s);
+    pk_pack_p<WG_IN_KIND, WG_BK>(a.p, a.s);
 }
 
 /* Key tiles 1 .. n_tiles - 1 of `wk`. */
@@ -306,7 +309,7 @@ __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_
     m.wait_v(last % WG_STAGES, last);
     pk_pin<WG_O_REGS>(a.o);
     pk_wgmma_fence();
-    pk_tile_pv<WG_IN_KIND, WG_D>(a.o, a.p, m.v(last % WG_STAGES));
+    pk_tile_pv<WG_IN_KIND, WG_D, WG_BK>(a.o, a.p, m.v(last % WG_STAGES));
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(a.o);
     pk_out_rows<WG_D> r;
@@ -332,7 +335,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
     }
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, held, 0, 0, scale_log2);
-    pk_pack_p<WG_IN_KIND>(a.p, a.s);
+    pk_pack_p<WG_IN_KIND, WG_BK>(a.p, a.s);
     wg_key_loop(m, a, held, 0, 0, scale_log2);
     pk_warp_arrive(m.q_free(0));
     unsigned int first = held.n_tiles, round = 1;
@@ -344,7 +347,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         }
         float m_run[2], l_run[2];
         wg_first_keys<true>(m, a, m_run, l_run, t, first, round, scale_log2);
-        pk_pack_p<WG_IN_KIND>(a.p, a.s);
+        pk_pack_p<WG_IN_KIND, WG_BK>(a.p, a.s);
         pk_out_rows<WG_D> done;
         pk_round_out<WG_IN_KIND, WG_D>(done, a.o, a.m_run, a.l_run, held);   /* with the held tile's softmax state */
         wg_store_rows(done, m.o(), dst);
@@ -375,7 +378,7 @@ __device__ __forceinline__ void wg_consume_own(const wg_smem& m, const wg_schedu
     wg_acc a;
     wg_zero_o(a);
     wg_first_keys<false>(m, a, a.m_run, a.l_run, t, 0, 0, scale_log2);
-    pk_pack_p<WG_IN_KIND>(a.p, a.s);
+    pk_pack_p<WG_IN_KIND, WG_BK>(a.p, a.s);
     wg_key_loop(m, a, t, 0, 0, scale_log2);
     wg_finish(m, a, t, t.n_tiles - 1, m.q(0), dst);   /* the last S has read Q */
 }

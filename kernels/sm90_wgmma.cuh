@@ -2,10 +2,11 @@
    (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu): every wgmma.mma_async they issue.
      Descriptors  pk_wgmma_desc (128-byte swizzle), pk_desc_advance
      Ordering     pk_wgmma_fence, pk_wgmma_commit, pk_wgmma_wait<N>, pk_pin<N>
-     Tiles        pk_tile_qk, pk_tile_pv, pk_pack_p: a 128-key tile's S and P.V at 16 bits
+     Tiles        pk_tile_qk, pk_tile_pv, pk_pack_p: a 128- or 176-key tile's S and P.V at 16 bits
      Products     one warpgroup, m64, A (64 rows) from shared memory (_ss) or registers (_rs);
                   `accumulate` 0 overwrites the accumulators (scale-d 0):
-                    pk_wgmma_n128_ss<KIND>, pk_wgmma_n64_ss<KIND>  16-bit, f32 accumulators
+                    pk_wgmma_n176_ss<KIND>, pk_wgmma_n128_ss<KIND>,
+                    pk_wgmma_n64_ss<KIND>                          16-bit, f32 accumulators
                     pk_wgmma_n128_rs<KIND>, pk_wgmma_n64_rs<KIND>  16-bit, B MN-major (transposed)
                     pk_wgmma_n128_s8_ss                            int8 x int8 -> s32 (exact)
                     pk_wgmma_n128_e4m3_rs, pk_wgmma_n8_e4m3_rs     FP8 E4M3, f32 accumulators
@@ -49,12 +50,20 @@ __device__ __forceinline__ void pk_wgmma_wait()
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define PK_ACC88                                                                                  \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "             \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "             \
+    "%80, %81, %82, %83, %84, %85, %86, %87}"
 #define PK_F4(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3])
 #define PK_F8(a, i) "+f"(a[i]), "+f"(a[i + 1]), "+f"(a[i + 2]), "+f"(a[i + 3]), \
                     "+f"(a[i + 4]), "+f"(a[i + 5]), "+f"(a[i + 6]), "+f"(a[i + 7])
 #define PK_F32(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24)
 #define PK_F64(a) PK_F8(a, 0), PK_F8(a, 8), PK_F8(a, 16), PK_F8(a, 24), \
                   PK_F8(a, 32), PK_F8(a, 40), PK_F8(a, 48), PK_F8(a, 56)
+#define PK_F88(a) PK_F64(a), PK_F8(a, 64), PK_F8(a, 72), PK_F8(a, 80)
 #define PK_R8(a, i) "+r"(a[i]), "+r"(a[i + 1]), "+r"(a[i + 2]), "+r"(a[i + 3]), \
                     "+r"(a[i + 4]), "+r"(a[i + 5]), "+r"(a[i + 6]), "+r"(a[i + 7])
 #define PK_R64(a) PK_R8(a, 0), PK_R8(a, 8), PK_R8(a, 16), PK_R8(a, 24), \
@@ -74,6 +83,14 @@ __device__ __forceinline__ void pk_wgmma_wait()
     } else {                                                                                   \
         asm volatile(PK_WGMMA(d, SHAPE ".f32.f16.f16", OPERANDS) : __VA_ARGS__);               \
     }
+
+/* acc[0..87] (+)= A B^T, m64n176k16, A and B from shared memory. */
+template <int KIND>
+__device__ __forceinline__ void pk_wgmma_n176_ss(float* acc, unsigned long long a, unsigned long long b, int accumulate)
+{
+    PK_WGMMA_16BIT(KIND, 90, "m64n176k16", PK_ACC88 ", %88, %89, p, 1, 1, 0, 0",
+                   PK_F88(acc) : "l"(a), "l"(b), "r"(accumulate));
+}
 
 /* acc[0..63] (+)= A B^T, m64n128k16, A and B from shared memory. */
 template <int KIND>
@@ -142,32 +159,41 @@ __device__ __forceinline__ void pk_pin(float* acc)
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(acc[i]) :: "memory");
 }
 
-/* ---- 128-key tiles of the 16-bit kernels (flash_attn_wgmma.cu) ----
+/* ---- key tiles of the 16-bit kernels (flash_attn_wgmma.cu) ----
    Tiles are rows x D columns of KIND, as D / 64 slabs of 64 columns (128-byte rows, TMA's 128-byte
-   swizzle, rows x 128 bytes each): K and V tiles 128 rows, Q tiles Q_ROWS (64 per consumer warpgroup);
-   one warpgroup computes 64 query rows. */
+   swizzle, rows x 128 bytes each): K and V tiles BK rows (128 or 176: a multiple of 16 keys and of the
+   swizzle's 8-row atom), Q tiles Q_ROWS (64 per consumer warpgroup); one warpgroup computes 64 query rows,
+   BK / 2 scores a thread (the accumulators of m64nBK: BK / 8 n8 tiles of 4 floats). */
 
-/* S = Q K^T for one warpgroup (q_rows: its first row in a Q_ROWS-row Q tile): D / 16 k-steps, 4 per slab. */
-template <int KIND, int D, int Q_ROWS>
+/* S = Q K^T for one warpgroup (q_rows: its first row in a Q_ROWS-row Q tile), m64nBKk16: D / 16 k-steps,
+   4 per slab; K's BK rows are 8-row groups 1024 bytes apart (SBO), its slabs BK x 128 bytes apart. */
+template <int KIND, int D, int Q_ROWS, int BK>
 __device__ __forceinline__ void pk_tile_qk(float* s, unsigned int q_rows, unsigned int k_tile)
 {
+    static_assert(BK == 128 || BK == 176, "a key tile is 128 or 176 keys");
     const unsigned long long a = pk_wgmma_desc(q_rows, 16, 1024), b = pk_wgmma_desc(k_tile, 16, 1024);
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         const unsigned int step = (kk % 4) * 32, slab = kk / 4;
-        pk_wgmma_n128_ss<KIND>(s, pk_desc_advance(a, slab * Q_ROWS * 128 + step),
-                               pk_desc_advance(b, slab * 128 * 128 + step), kk > 0);
+        const unsigned long long a_kk = pk_desc_advance(a, slab * Q_ROWS * 128 + step);
+        const unsigned long long b_kk = pk_desc_advance(b, slab * BK * 128 + step);
+        if constexpr (BK == 176) {
+            pk_wgmma_n176_ss<KIND>(s, a_kk, b_kk, kk > 0);
+        } else {
+            pk_wgmma_n128_ss<KIND>(s, a_kk, b_kk, kk > 0);
+        }
     }
     pk_wgmma_commit();
 }
 
-/* O += P V: 8 k-steps of 16 keys; V read transposed, its 64-column slabs LBO apart. */
-template <int KIND, int D>
+/* O += P V: BK / 16 k-steps of 16 keys (16 rows x 128 bytes = 2048 bytes of each slab); V read transposed
+   (MN-major), its 64-column slabs BK x 128 bytes apart (LBO), 8-key row groups 1024 apart (SBO). */
+template <int KIND, int D, int BK>
 __device__ __forceinline__ void pk_tile_pv(float* o, const unsigned int* p, unsigned int v_tile)
 {
-    const unsigned long long b = pk_wgmma_desc(v_tile, 128 * 128, 1024);
+    const unsigned long long b = pk_wgmma_desc(v_tile, BK * 128, 1024);
     #pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
+    for (int kk = 0; kk < BK / 16; kk++) {
         const unsigned long long b_kk = pk_desc_advance(b, kk * 16 * 128);
         if constexpr (D == 128) {
             pk_wgmma_n128_rs<KIND>(o, p + 4 * kk, b_kk, 1);
@@ -178,13 +204,13 @@ __device__ __forceinline__ void pk_tile_pv(float* o, const unsigned int* p, unsi
     pk_wgmma_commit();
 }
 
-/* P as the A operand of the next P.V: register 4kk + c holds keys 16kk.. of the layout wgmma expects,
-   which is S's accumulator order pairwise. */
-template <int KIND>
+/* P of a BK-key tile (BK / 2 scores s) as the A operand of the next P.V, BK / 4 registers: register
+   4kk + c holds keys 16kk.. of the layout wgmma expects, which is S's accumulator order pairwise. */
+template <int KIND, int BK>
 __device__ __forceinline__ void pk_pack_p(unsigned int* p, const float* s)
 {
     #pragma unroll
-    for (int i = 0; i < 32; i++) p[i] = pk_pack2<KIND>(s[2 * i], s[2 * i + 1]);
+    for (int i = 0; i < BK / 4; i++) p[i] = pk_pack2<KIND>(s[2 * i], s[2 * i + 1]);
 }
 
 #endif
