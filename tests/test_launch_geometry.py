@@ -50,6 +50,8 @@ def wgmma_plan(head_dim: int, seq_k: int) -> AttentionPlan:
 @pytest.mark.parametrize("seq_k", [SHORT_KEYS, SHORT_KEYS + 77], ids=["persistent", "one-block"])
 @pytest.mark.parametrize(("head_dim", "rows", "threads"), [(64, 192, 512), (128, 128, 384)], ids=["D64", "D128"])
 def test_wgmma_launch_geometry(head_dim: int, rows: int, threads: int, seq_k: int, boxes: list) -> None:
+    """The query map's boxes are a work tile's rows, the key and value maps' a key tile's: 176 keys in the
+    head_dim-128 one-block build, else 128."""
     plan = wgmma_plan(head_dim, seq_k)
     variant = plan.selection.variant
     built = launch.attention_launch(plan)
@@ -58,5 +60,7 @@ def test_wgmma_launch_geometry(head_dim: int, rows: int, threads: int, seq_k: in
     assert variant.persistent == persistent
     assert built.grid == ((min(blocks * HEADS * BATCH, SMS), 1, 1) if persistent else (blocks, HEADS, BATCH))
     assert (built.threads, built.shared_bytes) == (threads, variant.shared_bytes)
-    assert boxes == [(SEQ_Q, rows), (seq_k, 128), (seq_k, 128), (SEQ_Q, tensor_maps.STORE_BOX_ROWS)]
+    keys = 176 if (head_dim, persistent) == (128, False) else 128
+    assert variant.key_rows == keys
+    assert boxes == [(SEQ_Q, rows), (seq_k, keys), (seq_k, keys), (SEQ_Q, tensor_maps.STORE_BOX_ROWS)]
     assert tensor_maps.STORE_BOX_ROWS == 64, "the output box is one consumer warpgroup's rows"

@@ -221,6 +221,7 @@ def test_key_counts_pick_the_same_kernel_in_its_key_count_build(given: tuple, ex
         ("wgmma", 128, True, 32760, (132, 1, 1)),  # one block per SM, each looping over 256 * 40 / 132 work tiles
         ("wgmma", 128, True, 200, (80, 1, 1)),  # fewer work tiles (2 x 40) than SMs: one block each
         ("wgmma", 128, False, 4097, (33, 40, 1)),  # the other build: one block per (query block, head, batch)
+        ("wgmma", 128, False, 177, (2, 40, 1)),  # 176-key tiles leave the query blocks 128 rows
         ("wgmma", 64, False, 4097, (22, 40, 1)),  # 192-row query blocks at head_dim 64
         ("wgmma", 64, False, 191, (1, 40, 1)),
         ("wgmma", 64, True, 200, (80, 1, 1)),  # 2 x 40 work tiles of 192 rows
@@ -246,11 +247,31 @@ def test_head_dim_64_runs_three_consumer_warpgroups(persistent: bool) -> None:
     # Q tile (two and an output tile, persistent), 192 x 64 x 2 bytes each; K and V stages, 128 x 64 x 2 each
     tiles = (3 if persistent else 1) * 192 * 64 * 2 + 2 * stages * 128 * 64 * 2
     assert narrow.shared_bytes == 1024 + tiles + 8 * (4 + 4 * stages) == (173_184 if persistent else 156_832)
-    assert wide.shared_bytes == (230_496 if persistent else 230_528)
+    assert wide.shared_bytes == (230_496 if persistent else 214_112)
     options = narrow.options()
     for define in ("-DWG_BQ=192", "-DWG_BK=128", f"-DWG_STAGES={stages}", "-DWG_THREADS=512"):
         assert define in options
     assert {"-DWG_BQ=128", "-DWG_THREADS=384"} <= set(wide.options())
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-block", "persistent"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wgmma_key_tiles(head_dim: int, persistent: bool) -> None:
+    """The head_dim-128 one-block builds take 176-key tiles, two stages of them; every other wgmma build 128-key
+    tiles. The key tile is the build's -DWG_BK, its K and V maps' box rows, and what its shared memory holds."""
+    keys = 176 if (head_dim, persistent) == (128, False) else 128
+    for variant in variants(BY_NAME["wgmma"]):
+        if (variant.head_dim, variant.persistent) != (head_dim, persistent):
+            continue
+        options, rows, d = variant.options(), variant.rows_per_block, head_dim
+        assert variant.key_rows == keys and f"-DWG_BK={keys}" in options
+        stages = int(dict(variant.defines())["WG_STAGES"])
+        q_tiles = 3 if persistent else 1
+        assert variant.shared_bytes == 1024 + q_tiles * rows * d * 2 + 2 * stages * keys * d * 2 + 8 * (4 + 4 * stages)
+        assert variant.shared_bytes <= 227 * 1024
+        more = variant.shared_bytes + 2 * keys * d * 2 + 32
+        assert head_dim == 64 or more > 227 * 1024, "a stage more would fit"
+        assert (keys * 128) % 1024 == 0, "K and V slabs start on the 128-byte swizzle's 1024-byte period"
 
 
 @pytest.mark.parametrize("key_lens", [False, True])
@@ -260,8 +281,9 @@ def test_short_key_sequences_select_the_persistent_build(short_keys: bool, key_l
     variant = select_kernel(problem, "wgmma").variant
     assert (variant.persistent, variant.key_lens) == (short_keys, key_lens)
     assert "-DWG_PERSISTENT=" + str(int(short_keys)) in variant.options()
-    # two Q tiles, two stages and the output tile, or one Q tile and three stages
-    assert variant.shared_bytes == (230_496 if short_keys else 230_528)
-    assert ("-DWG_STAGES=2" in variant.options()) == short_keys
+    # two Q tiles, two stages of 128-key tiles and the output tile, or one Q tile and two stages of 176 keys
+    assert variant.shared_bytes == (230_496 if short_keys else 214_112)
+    assert "-DWG_STAGES=2" in variant.options()
+    assert f"-DWG_BK={128 if short_keys else 176}" in variant.options()
     mma16 = select_kernel(replace(problem, capability=(8, 0)), "mma16").variant
     assert not mma16.persistent and not any("PERSISTENT" in option for option in mma16.options())

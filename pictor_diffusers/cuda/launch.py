@@ -129,8 +129,8 @@ def attention_launch(plan: AttentionPlan) -> Launch:
             tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, dtype, box_rows)
             for t, start, stop, box_rows in (
                 (plan.query, window.q_start, window.q_stop, variant.rows_per_block),
-                (plan.key, window.k_start, window.k_stop, tensor_maps.BOX_ROWS),
-                (plan.value, window.k_start, window.k_stop, tensor_maps.BOX_ROWS),
+                (plan.key, window.k_start, window.k_stop, variant.key_rows),
+                (plan.value, window.k_start, window.k_stop, variant.key_rows),
             )
         ]
         out_map = _out_map_at(plan)(pointers[3])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..dtypes import HALF_DTYPES, KINDS
 
@@ -34,28 +35,40 @@ def _fp8_smem(d: int) -> int:
     return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
 
 
-_WGMMA_TILES = {128: (128, 3, 2), 64: (192, 4, 3)}
-"""The wgmma row's tiling by head_dim: (query rows per block, K/V stages, the persistent build's K/V stages). At 64
-a key tile's exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows, as
-FlashAttention-3 tiles head_dim 64) are to keep the tensor cores busy through one another's softmax; the tiles, half
-as large, leave room for a stage more."""
+class _Ring(NamedTuple):
+    """A wgmma build's K/V ring: keys per key tile (the K/V tiles' rows and their maps' box rows) and stages."""
+
+    keys: int
+    stages: int
+
+
+_WGMMA_TILES = {128: (128, _Ring(176, 2), _Ring(128, 2)), 64: (192, _Ring(128, 4), _Ring(128, 3))}
+"""The wgmma row's tiling by head_dim: (query rows per block, the one-block build's K/V ring, the persistent
+build's). At 128 the one-block build (long key sequences) takes 176-key tiles, as FlashAttention-3 tiles head_dim
+128: a third fewer key tiles, so a third fewer of each tile's fixed costs (mbarrier waits, the O rescale, the row
+max and sum shuffles, wgmma fences and commits); two stages of them fill the shared memory (three do not fit), and
+the persistent build's Q, next Q and output tiles leave room for 128-key tiles only. At 64 a key tile's
+exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows, as FlashAttention-3
+tiles head_dim 64) are to keep the tensor cores busy through one another's softmax; their 160 registers a thread
+hold a 128-key tile's scores, not a 176-key one's."""
 
 
 def _wgmma_shape(d: int) -> BlockShape:
     """The wgmma row's launch at head_dim `d`: a producer warpgroup and one consumer warpgroup per 64 query rows,
-    128-key tiles."""
-    rows, stages, persistent_stages = _WGMMA_TILES[d]
+    each build's key tiles and stages."""
+    rows, ring, persistent_ring = _WGMMA_TILES[d]
     threads = 128 * (1 + rows // 64)
-    geometry = {"BQ": str(rows), "BK": "128", "STAGES": str(stages), "THREADS": str(threads)}
-    return BlockShape(threads, rows, geometry, {"STAGES": str(persistent_stages)})
+    geometry = {"BQ": str(rows), "BK": str(ring.keys), "STAGES": str(ring.stages), "THREADS": str(threads)}
+    persistent = {"BK": str(persistent_ring.keys), "STAGES": str(persistent_ring.stages)}
+    return BlockShape(threads, rows, geometry, persistent)
 
 
 def _wgmma_smem(d: int, persistent: bool = False) -> int:
     """Alignment slack, the Q tile (the persistent build: two, and an output staging tile; rows per block x d
-    16-bit each), the stages of K and V (128 x d), mbarriers."""
-    rows, stages, persistent_stages = _WGMMA_TILES[d]
-    q_tiles, stages = (3, persistent_stages) if persistent else (1, stages)
-    return 1024 + q_tiles * rows * d * 2 + 2 * stages * 128 * d * 2 + 8 * (4 + 4 * stages)
+    16-bit each), the stages of K and V (keys per tile x d), mbarriers."""
+    rows, ring, persistent_ring = _WGMMA_TILES[d]
+    q_tiles, ring = (3, persistent_ring) if persistent else (1, ring)
+    return 1024 + q_tiles * rows * d * 2 + 2 * ring.stages * ring.keys * d * 2 + 8 * (4 + 4 * ring.stages)
 
 
 def _fp16x3_smem(d: int) -> int:
@@ -344,10 +357,19 @@ class Variant:
             values["PERSISTENT"] = str(int(self.persistent))
         if spec.smem_define:
             values["SMEM_BYTES"] = str(self.shared_bytes)
-        values.update(self.shape.geometry)
-        if self.persistent:
-            values.update(self.shape.persistent_geometry)
+        values.update(self.geometry)
         return tuple((spec.prefix + key, value) for key, value in values.items())
+
+    @functools.cached_property
+    def geometry(self) -> Mapping[str, str]:
+        """This build's `-D` geometry (unprefixed): its shape's, with what the persistent build changes."""
+        shape = self.shape
+        return {**shape.geometry, **shape.persistent_geometry} if self.persistent else shape.geometry
+
+    @property
+    def key_rows(self) -> int:
+        """Keys per key tile of this build (its geometry's BK): the box rows of its K and V tensor maps."""
+        return int(self.geometry["BK"].rstrip("u"))
 
     @functools.cached_property
     def shape(self) -> BlockShape:

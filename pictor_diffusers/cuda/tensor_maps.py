@@ -21,7 +21,8 @@ import torch
 
 BOX_BYTES, BOX_ROWS = 128, 128
 """One copy: 128 bytes of D (the swizzle span: 64 16-bit or 128 8-bit columns) x 1 head x 128 rows (by
-default: a key tile; a Q tile's box has the build's rows per block, `Variant.rows_per_block`) x 1 batch."""
+default: the 8-bit kernel's tiles; the wgmma kernel's Q box has its build's rows per block,
+`Variant.rows_per_block`, its K and V boxes the build's keys per key tile, `Variant.key_rows`) x 1 batch."""
 STORE_BOX_ROWS = 64
 """Rows of an output map's box: one consumer warpgroup's share of a work tile (64 of its 128 or 192 rows)."""
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.uint8: 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
