@@ -32,7 +32,7 @@ KERNEL_HEAD_DIMS = {name: BY_NAME[name].head_dims for name in ("wgmma", "mma16")
 DTYPES = [torch.bfloat16, torch.float16]
 
 # (B, H, N, D): FLUX.2 at 512²/1024² with 24 and 48 heads; odd N, not multiples of the
-# 128- or 192-row query blocks (192: wgmma at head_dim 64) nor of the 64- or 128-key tiles; N = 1;
+# 128- or 192-row query blocks (192: wgmma at head_dim 64) nor of the 64-, 128- or 176-key tiles; N = 1;
 # at head_dim 64, N below one 192-row block and between 128 and 192 (the third consumer warpgroup's rows
 # past N).
 SHAPES = [
@@ -232,6 +232,20 @@ def test_short_key_sequences_run_the_persistent_build(seq_k: int, head_dim: int)
     plan = plan_attention(query, key, value, head_dim**-0.5, "wgmma", query.dtype)
     assert plan.selection.variant.persistent == (seq_k <= SHORT_KEYS)
     assert_within_sdpa16(f"wgmma D{head_dim} Nk={seq_k}", launch("wgmma", query, key, value), query, key, value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("seq_k", [2112, 2113, 2287, 4097])
+def test_key_tails_of_176_key_tiles(seq_k: int, dtype: torch.dtype) -> None:
+    """More than SHORT_KEYS keys at head_dim 128 run wgmma's one-block build, whose key tiles are 176 keys:
+    whole tiles (2112 = 12 x 176), one key past them, one key short of 13 (2287), a partial last tile (4097);
+    300 queries (a partial query block). Within SDPA's error."""
+    query = qkv16((2, 5, 300, 128), dtype, seed=7)[0]
+    key, value = qkv16((2, 5, seq_k, 128), dtype, seed=8)[1:]
+    blocker_or_skip("wgmma", query, key, value)
+    plan = plan_attention(query, key, value, 128**-0.5, "wgmma", query.dtype)
+    assert not plan.selection.variant.persistent and plan.selection.variant.key_rows == 176
+    assert_within_sdpa16(f"wgmma D128 Nk={seq_k}", launch("wgmma", query, key, value), query, key, value)
 
 
 @pytest.mark.parametrize("kernel", list(KERNEL_HEAD_DIMS))

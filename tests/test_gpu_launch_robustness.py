@@ -19,12 +19,13 @@ pytestmark = pytest.mark.gpu
 SHAPE = (1, 3, 77, 128)  # odd N: partial query block and key tile
 
 
+@pytest.mark.parametrize("seq", [SHAPE[2], 2100], ids=["short", "long"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_first_call_in_a_new_thread(dtype: torch.dtype, head_dim: int) -> None:
+def test_first_call_in_a_new_thread(dtype: torch.dtype, head_dim: int, seq: int) -> None:
     """A thread that never touched CUDA itself: the launch must bind the device's context (head_dim 64: the
-    512-thread wgmma build on Hopper)."""
-    query, key, value = (t.to(dtype) for t in random_qkv(*SHAPE[:3], head_dim, seed=3))
+    512-thread wgmma build on Hopper; 2100 tokens: wgmma's one-block build, 176-key tiles at head_dim 128)."""
+    query, key, value = (t.to(dtype) for t in random_qkv(*SHAPE[:2], seq, head_dim, seed=3))
     attention(query, key, value)  # compile and load in the main thread first
     torch.cuda.synchronize()
     results: dict[str, object] = {}

@@ -7,7 +7,9 @@ of 0, LSE -inf, as torch's SDPA gives a row whose keys are all masked); out-of-r
 The "more-work-tiles-than-SMs" case has more work tiles (360 of 128 rows, 240 of 192 at head_dim 64) than an
 H100 or H200 has SMs, so each block of a persistent kernel takes several, across batches with and without keys;
 the last attends more than `registry.SHORT_KEYS` keys, so the wgmma kernel's other build (one block per work
-tile) meets a batch without keys. The CUDA kernels run at head_dim 128 and 64 (where they can).
+tile) meets a batch without keys; "long-keys-176-key-tile-edges" gives that build at head_dim 128 (176-key tiles)
+counts of one key past a tile (177) and of whole tiles (2112 = 12 x 176) beside a batch without keys. The CUDA
+kernels run at head_dim 128 and 64 (where they can).
 CUDA outputs and LSE are poisoned with a finite sentinel before the launch, so a row left unwritten fails.
 """
 
@@ -26,8 +28,12 @@ CASES = [
     (2, 1, 129, 131, [131 + 40, -3]),
     (3, 40, 300, 700, [700, 0, 333]),
     (2, 2, 150, 2100, [0, 2077]),
+    (4, 2, 300, 4097, [4097, 0, 177, 2112]),
 ]
-CASE_IDS = ["partial", "none-full-partial", "clamped", "more-work-tiles-than-SMs", "long-keys-none-partial"]
+CASE_IDS = [
+    "partial", "none-full-partial", "clamped", "more-work-tiles-than-SMs", "long-keys-none-partial",
+    "long-keys-176-key-tile-edges",
+]  # fmt: skip
 SENTINEL = 12345.0
 # kernel, input dtype, output max-abs bound against float64 on the rounded inputs, LSE bound.
 KERNELS = [
