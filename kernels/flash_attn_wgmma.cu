@@ -30,7 +30,7 @@
    the finished tile's rows are then rounded (epilogue.cuh) and stored.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences), with 176-key tiles at WG_D =
-   128: a third fewer tiles pay the per-tile costs (expected faster).
+   128: 27% fewer tiles pay the per-tile costs (expected faster).
    Stores: each consumer warpgroup stages its rounded rows in shared memory
    (stmatrix) and one of its threads writes them with bulk tensor copies
    (sm90_store.cuh): into an output tile of their own in the persistent

@@ -191,6 +191,7 @@ __device__ __forceinline__ void pk_tile_qk(float* s, unsigned int q_rows, unsign
 template <int KIND, int D, int BK>
 __device__ __forceinline__ void pk_tile_pv(float* o, const unsigned int* p, unsigned int v_tile)
 {
+    static_assert(BK == 128 || BK == 176, "a key tile is 128 or 176 keys");
     const unsigned long long b = pk_wgmma_desc(v_tile, BK * 128, 1024);
     #pragma unroll
     for (int kk = 0; kk < BK / 16; kk++) {

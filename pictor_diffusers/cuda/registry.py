@@ -45,12 +45,12 @@ class _Ring(NamedTuple):
 _WGMMA_TILES = {128: (128, _Ring(176, 2), _Ring(128, 2)), 64: (192, _Ring(128, 4), _Ring(128, 3))}
 """The wgmma row's tiling by head_dim: (query rows per block, the one-block build's K/V ring, the persistent
 build's). At 128 the one-block build (long key sequences) takes 176-key tiles, as FlashAttention-3 tiles head_dim
-128: a third fewer key tiles, so a third fewer of each tile's fixed costs (mbarrier waits, the O rescale, the row
-max and sum shuffles, wgmma fences and commits); two stages of them fill the shared memory (three do not fit), and
-the persistent build's Q, next Q and output tiles leave room for 128-key tiles only. At 64 a key tile's
-exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows, as FlashAttention-3
-tiles head_dim 64) are to keep the tensor cores busy through one another's softmax; their 160 registers a thread
-hold a 128-key tile's scores, not a 176-key one's."""
+128: 27% fewer key tiles, so 27% fewer of each tile's fixed costs (mbarrier waits, the O rescale, the row max
+and sum shuffles, wgmma fences and commits); two stages of them fill the shared memory (three do not fit), and
+beside the persistent build's Q, next Q and output tiles two stages of 176 keys do not fit (279,648 bytes).
+At 64 a key tile's exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows, as
+FlashAttention-3 tiles head_dim 64) are to keep the tensor cores busy through one another's softmax; their 160
+registers a thread hold a 128-key tile's scores, not a 176-key one's."""
 
 
 def _wgmma_shape(d: int) -> BlockShape:
