@@ -59,12 +59,34 @@ def test_read_once_per_mask(kind: str, seq_k: int, monkeypatch: pytest.MonkeyPat
     keep = kept(seq_k)
     mask = as_mask(keep, kind)
     reads = []
-    for name in ("bool_key_padding", "float_key_padding"):
-        original = getattr(key_padding, name)
-        monkeypatch.setattr(key_padding, name, lambda *a, _f=original, _n=name: reads.append(_n) or _f(*a))
+    monkeypatch.setattr(key_padding, "_read", lambda *a, _f=key_padding._read: reads.append(a) or _f(*a))
     for _ in range(4):
         check(mask, keep)
-    assert len(reads) == (1 if kind == "bool" else 2), reads
+    assert len(reads) == 1, reads
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "float32", "not padding"])
+@pytest.mark.parametrize("seq_k", [7, 129, 300])
+def test_a_new_mask_is_read_in_one_host_transfer(kind: str, seq_k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LTX-Video's processor makes a new mask at every call: reading it takes one `.item()` or `.tolist()` (one
+    host sync on CUDA), whether or not it turns out to be key padding."""
+    keep = kept(seq_k)
+    mask = as_mask(keep, "bool" if kind == "bool" else "float")
+    if kind == "float32":
+        mask = mask.float()
+    if kind == "not padding":
+        mask[1, 0, 0, 2] = 0.25
+    transfers = []
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, _f=original, _n=name: transfers.append(_n) or _f(t))
+    padding = padding_of(mask, BATCH, HEADS, seq_k)
+    assert len(transfers) == 1, transfers
+    if kind == "not padding":
+        assert padding is None
+    else:
+        monkeypatch.undo()
+        check(mask, keep)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -121,7 +143,7 @@ def test_nothing_read_or_cached_while_tracing(kind: str, monkeypatch: pytest.Mon
     keep[0, 30:] = False
     mask = as_mask(keep, kind)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(key_padding, "_kept_first", lambda kept: pytest.fail("a host read while tracing"))
+    monkeypatch.setattr(key_padding, "_read", lambda *a: pytest.fail("a host read while tracing"))
     padding = padding_of(mask, BATCH, HEADS, 40)
     assert mask not in key_padding._derived
     if kind == "float":

@@ -3,8 +3,9 @@
 A model passes one mask object to every attention call of a forward (LTX-Video's additive text mask, Qwen-Image's
 and HunyuanVideo's boolean ones), so what the backend derives from it is kept per mask object: whether it is key
 padding, the kept counts (the kernels' `key_lens`) and, unless each batch's kept keys already come first, the
-gather that puts them first. Reading the values takes a host sync or two, on the first call only; a later call
-with the same, unmodified mask costs a dictionary lookup. A mask written in place (its `_version` moves) is read
+gather that puts them first. Reading the values takes one host sync, on the first call only (LTX-Video's
+processor repeats its mask per head at every call, so there it is every call); a later call with the same,
+unmodified mask costs a dictionary lookup. A mask written in place (its `_version` moves) is read
 again. Under torch.compile or CUDA graph capture nothing is cached or read: no float mask is key padding there,
 and a boolean one is always gathered. A mask made under `torch.inference_mode` (no version counter) is read on
 every call and always gathered, never cached.
@@ -48,17 +49,26 @@ def padding_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> K
     cached = _derived.get(attn_mask)
     if cached is not None and cached[0] == key:
         return cached[1]
-    kept = bool_key_padding(attn_mask, batch, seq_k)
-    if kept is None:
-        kept = float_key_padding(attn_mask, batch, heads, seq_k)
-    padding = None if kept is None else _padding(kept, gather=not _kept_first(kept))
+    padding = _read(attn_mask, batch, heads, seq_k)
     _derived[attn_mask] = (key, padding)
     return padding
 
 
-def _kept_first(kept: torch.Tensor) -> bool:
-    """Whether each batch's kept keys of `kept` `[B, Nk]` come before its dropped ones (one host sync)."""
-    return bool((kept[:, 1:] <= kept[:, :-1]).all().item())
+def _read(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> KeyPadding | None:
+    """`padding_of`'s answer from the mask's values, in one host sync: whether a float mask is key padding and
+    whether each batch's kept keys come before its dropped ones are read together."""
+    kept = bool_key_padding(attn_mask, batch, seq_k)
+    is_padding = None
+    if kept is None:
+        found = _float_kept(attn_mask, batch, heads, seq_k)
+        if found is None:
+            return None
+        kept, is_padding = found
+    kept_first = (kept[:, 1:] <= kept[:, :-1]).all()
+    if is_padding is None:
+        return _padding(kept, gather=not kept_first.item())
+    is_padding, kept_first = torch.stack((is_padding, kept_first)).tolist()
+    return _padding(kept, gather=not kept_first) if is_padding else None
 
 
 def _padding(kept: torch.Tensor, gather: bool) -> KeyPadding:
@@ -95,6 +105,15 @@ def float_key_padding(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: in
     Anything else (biases, positives, NaN, masks over queries) is not. The values are read: one host sync on
     CUDA (`padding_of` does it once per mask).
     """
+    found = _float_kept(attn_mask, batch, heads, seq_k)
+    return None if found is None or not found[1].item() else found[0]
+
+
+def _float_kept(
+    attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`float_key_padding`'s `[B, Nk]` kept keys and, as a 0-dim bool tensor not yet read, whether they are
+    key padding; None when the mask's shape or dtype already rules it out."""
     if not attn_mask.is_floating_point() or not 2 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != seq_k:
         return None
     leading = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape[:-1])
@@ -103,4 +122,4 @@ def float_key_padding(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: in
     mask = attn_mask.reshape(leading[0], leading[1], seq_k)
     kept = mask == 0
     valid = (kept | (mask <= DROPPED_AT)).all() & (kept == kept[:, :1]).all() & kept.any(-1).all()
-    return kept[:, 0].expand(batch, seq_k) if valid.item() else None
+    return kept[:, 0].expand(batch, seq_k), valid
