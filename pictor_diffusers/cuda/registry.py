@@ -3,7 +3,7 @@ rows in `pass_rows.py`, whose `prepass_for` names the prepass build a row's oper
 
 A row (`KernelSpec`) says what a kernel takes (dtypes, head_dims, compute capability), how it is built
 (source, `-D` geometry, arch) and how it is launched (threads, rows per block, shared memory, operand and
-scalar lists); a row may launch differently at some head_dims (`BlockShape`), and a build (`Variant`) says
+scalar lists); a row may launch differently at some head_dims (`tiling.BlockShape`), and a build (`Variant`) says
 which applies.
 `selection.select_kernel` chooses among the rows from plain facts. Adding a kernel means adding a row here and
 its `.cu` file in `kernels/`; `launch.py` runs any row. Everything here is a table or a pure lookup.
@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from ..dtypes import HALF_DTYPES, KINDS
+from .tiling import BlockShape, fp8_smem, fp16x3_smem, wgmma_shape, wgmma_smem
 
 MAX_HEAD_DIM = 384
 SHORT_KEYS = 2048
@@ -28,52 +28,6 @@ SHORT_KEYS = 2048
 its time, and the persistent loop overlaps them with the previous tile's."""
 F32_BUILD_HEAD_DIMS = (128, 256, 384)
 """The scalar kernel is built for the smallest of these >= head_dim (its register arrays)."""
-
-
-def _fp8_smem(d: int) -> int:
-    """Q, four stages of K and V^T (128 x 128 one-byte codes each), 8 x 128 ones for the row sums, mbarriers."""
-    return 1024 + (1 + 2 * 4) * 128 * d + 8 * 128 + 8 * (1 + 4 * 4)
-
-
-class _Ring(NamedTuple):
-    """A wgmma build's K/V ring: keys per key tile (the K/V tiles' rows and their maps' box rows) and stages."""
-
-    keys: int
-    stages: int
-
-
-_WGMMA_TILES = {128: (128, _Ring(176, 2), _Ring(128, 2)), 64: (192, _Ring(128, 4), _Ring(128, 3))}
-"""The wgmma row's tiling by head_dim: (query rows per block, the one-block build's K/V ring, the persistent
-build's). At 128 the one-block build (long key sequences) takes 176-key tiles, as FlashAttention-3 tiles head_dim
-128: 27% fewer key tiles, so 27% fewer of each tile's fixed costs (mbarrier waits, the O rescale, the row max
-and sum shuffles, wgmma fences and commits); two stages of them fill the shared memory (three do not fit), and
-beside the persistent build's Q, next Q and output tiles two stages of 176 keys do not fit (279,648 bytes).
-At 64 a key tile's exponentials cost the SM as much time as its products, so three consumer warpgroups (192 rows, as
-FlashAttention-3 tiles head_dim 64) are to keep the tensor cores busy through one another's softmax; their 160
-registers a thread hold a 128-key tile's scores, not a 176-key one's."""
-
-
-def _wgmma_shape(d: int) -> BlockShape:
-    """The wgmma row's launch at head_dim `d`: a producer warpgroup and one consumer warpgroup per 64 query rows,
-    each build's key tiles and stages."""
-    rows, ring, persistent_ring = _WGMMA_TILES[d]
-    threads = 128 * (1 + rows // 64)
-    geometry = {"BQ": str(rows), "BK": str(ring.keys), "STAGES": str(ring.stages), "THREADS": str(threads)}
-    persistent = {"BK": str(persistent_ring.keys), "STAGES": str(persistent_ring.stages)}
-    return BlockShape(threads, rows, geometry, persistent)
-
-
-def _wgmma_smem(d: int, persistent: bool = False) -> int:
-    """Alignment slack, the Q tile (the persistent build: two, and an output staging tile; rows per block x d
-    16-bit each), the stages of K and V (keys per tile x d), mbarriers."""
-    rows, ring, persistent_ring = _WGMMA_TILES[d]
-    q_tiles, ring = (3, persistent_ring) if persistent else (1, ring)
-    return 1024 + q_tiles * rows * d * 2 + 2 * ring.stages * ring.keys * d * 2 + 8 * (4 + 4 * ring.stages)
-
-
-def _fp16x3_smem(d: int) -> int:
-    """Q hi + lo (128 rows), two stages of K and V hi + lo (64 rows), mbarriers."""
-    return 1024 + 2 * 128 * d * 2 + 2 * 4 * 64 * d * 2 + 8 * (1 + 4 * 2)
 
 
 SCALARS = {
@@ -91,17 +45,6 @@ SCALARS = {
 """The scalar kernel arguments a row may list, in its `scalars`."""
 MAP_SCALARS = ("heads", "seq_q", "seq_k", "out_pitch", "scale_log2")
 """The scalars of the TMA kernels: the maps carry the pitches."""
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """How a row's builds at one head_dim are launched (`KernelSpec.shape`): block size, query rows per block
-    (a work tile), and the `-D` geometry of both builds and what the persistent build changes of it."""
-
-    threads: int
-    rows_per_block: int
-    geometry: Mapping[str, str]
-    persistent_geometry: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,7 +148,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=("float32",),
         out_dtypes=("float32", *HALF_DTYPES),
         **_WARP_SPECIALISED,
-        shared_bytes=_fp16x3_smem,
+        shared_bytes=fp16x3_smem,
         prefix="X3_",
         geometry={"BQ": "128", "BK": "64", "STAGES": "2", "THREADS": "384"},
         kinds=("OUT_KIND",),
@@ -220,16 +163,16 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
         **{**_WARP_SPECIALISED, "head_dims": (64, 128)},
-        shared_bytes=_wgmma_smem,
+        shared_bytes=wgmma_smem,
         prefix="WG_",
-        geometry=_wgmma_shape(128).geometry,
+        geometry=wgmma_shape(128).geometry,
         kinds=("IN_KIND",),
         operands="tensor_maps",
         scalars=(*MAP_SCALARS, "batch"),
         persistent=True,
-        persistent_geometry=_wgmma_shape(128).persistent_geometry,
-        persistent_shared_bytes=functools.partial(_wgmma_smem, persistent=True),
-        head_dim_shapes={64: _wgmma_shape(64)},
+        persistent_geometry=wgmma_shape(128).persistent_geometry,
+        persistent_shared_bytes=functools.partial(wgmma_smem, persistent=True),
+        head_dim_shapes={64: wgmma_shape(64)},
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
     KernelSpec(
@@ -240,7 +183,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         in_dtypes=HALF_DTYPES,
         out_dtypes="same",
         **_WARP_SPECIALISED,
-        shared_bytes=_fp8_smem,
+        shared_bytes=fp8_smem,
         prefix="F8_",
         geometry={"BQ": "128", "BK": "128", "STAGES": "4", "THREADS": "384"},
         kinds=("IN_KIND",),
