@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from pictor_diffusers.ops.quant_reference import int8_fp8_attention
+from pictor_diffusers.ops.quant_reference import INT8_PV_SCHEME, int8_fp8_attention
 from pictor_diffusers.testing.quant_study import bf16_path_attention, error_metrics, study_inputs
 from pictor_diffusers.testing.references import attention_float64
 
@@ -41,6 +41,7 @@ SCHEMES: dict[str, Scheme] = {
     "int8 QK 16/8 blocks, bf16 PV": partial(PLANNED, pv_format="bf16", q_block=16, k_block=8),
     "int8 QK per token, bf16 PV": partial(PLANNED, pv_format="bf16", q_block=1, k_block=1),
     "int8 QK per token, fp8 PV, P per row": partial(PLANNED, p_scale="row", q_block=1, k_block=1),
+    "int8 PV: u8 P per row and tile, int8 V about its mid-range, Q per token": partial(PLANNED, **INT8_PV_SCHEME),
 }
 
 

@@ -20,8 +20,8 @@ What the kernel does, tile by tile, emulated in float32:
   adds it to O in f32, as here. Options, for the study `benchmarks/quant_study.py` (its inputs and
   metrics: `pictor_diffusers.testing.quant_study`): V smoothing, a per-row P
   scale, a 14-bit wgmma accumulator (`pv_accum_bits`, truncated per k32 step: milder than measured; with
-  `pv_promote=False` over all tiles, as the kernel did before it promoted per tile), FP8 Q/K, bf16 P·V, finer
-  Q/K scale blocks, the exact row sum and no slack.
+  `pv_promote=False` over all tiles, as the kernel did before it promoted per tile), FP8 Q/K, bf16 P·V, int8
+  P·V (`INT8_PV_SCHEME`: the design for the next kernel), finer Q/K scale blocks, the exact row sum and no slack.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ Q_BLOCK = 64
 K_TILE = 128
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+U8_MAX = 255.0  # the largest P code of the int8 P·V scheme (u8 x s8 wgmma)
 KERNEL_RESCALE_SLACK = 2.0  # F8_SLACK in flash_attn_fp8.cu
 QUANT_FLOOR = 2.0**-43  # QZ_FLOOR in quantize_qkv8.cu: an all-zero block gets a tiny normal scale (codes 0)
 
@@ -117,6 +118,25 @@ def quantize_fp8_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_e4m3(x * _ratio(FP8_MAX, absmax)), _over(absmax, FP8_MAX)
 
 
+def quantize_int8_channels_centred(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int8 about each (b, h, channel)'s mid-range over tokens: codes round((x - centre) / step) in [-127, 127].
+
+    Args:
+        x: `[B, H, N, D]` any float dtype.
+
+    Returns:
+        codes int8 `[B, H, N, D]`, float32 steps and centres `[B, H, 1, D]`: step (max / 2 - min / 2) / 127
+        (the half-range floored at QUANT_FLOOR), centre max / 2 + min / 2 (halves first: neither overflows
+        f32 on any finite input), codes * step + centre ~= x within step / 2.
+    """
+    x = x.float()
+    top, bottom = x.amax(dim=2, keepdim=True) / 2, x.amin(dim=2, keepdim=True) / 2
+    centre = top + bottom
+    step = _over((top - bottom).clamp_min(QUANT_FLOOR), INT8_MAX)
+    codes = torch.round((x - centre) / step).clamp(-INT8_MAX, INT8_MAX)
+    return codes.to(torch.int8), step, centre
+
+
 def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """`x` float32 truncated (toward zero) to `bits` significant bits, same shape and dtype."""
     mantissa, exponent = torch.frexp(x)
@@ -133,6 +153,13 @@ def _tile_pv(p: torch.Tensor, v: torch.Tensor, accum_bits: int | None, total: to
     return total
 
 
+def _round_p(p: torch.Tensor, pv_format: str) -> torch.Tensor:
+    """P, already scaled to its code range, rounded as `pv_format` stores it, back in float32."""
+    if pv_format == "int8":
+        return torch.round(p)  # u8 codes: p <= 255, ties to even as the kernel's 2^23 addition
+    return to_e4m3(p).float() if pv_format == "fp8" else p.bfloat16().float()
+
+
 def int8_fp8_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -145,7 +172,7 @@ def int8_fp8_attention(
     p_scale: Literal["fixed", "row"] = "fixed",
     pv_accum_bits: int | None = None,
     pv_promote: bool = True,
-    pv_format: Literal["fp8", "bf16"] = "fp8",
+    pv_format: Literal["fp8", "bf16", "int8"] = "fp8",
     q_block: int = Q_BLOCK,
     k_block: int = K_TILE,
     rescale_slack: float = 0.0,
@@ -168,7 +195,9 @@ def int8_fp8_attention(
         pv_promote: True: each tile's P·V sums in registers of its own, then is added to the f32 accumulator
             (two-level; "row" needs it); False: the wgmma accumulates into the accumulator itself.
         pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
-            SageAttention1-style alternative).
+            SageAttention1-style alternative); "int8" codes P as u8, round(255 * exp2(s - tile max)) (needs
+            p_scale "row"), and V as int8 about each channel's mid-range (`quantize_int8_channels_centred`;
+            not with v_smoothing): P·V exact in integers per tile, as a u8 x s8 wgmma would run it.
         q_block, k_block: rows per Q scale and keys per K scale (1 = per token); defaults 64 and 128.
         rescale_slack: with p_scale "fixed", a row's reference max moves only when a tile's max exceeds it by
             more than this (log2 units), and P is quantised as exp2(s - reference) * 448 / 2^slack (<= 448).
@@ -182,8 +211,10 @@ def int8_fp8_attention(
     """
     if not pv_promote and p_scale != "fixed":
         raise ValueError(f"p_scale={p_scale!r} rescales each tile's P·V, so it needs pv_promote=True")
-    if rescale_slack and p_scale != "fixed":
+    if rescale_slack and p_scale != "fixed" and pv_format != "int8":
         raise ValueError(f"rescale_slack={rescale_slack} needs p_scale='fixed', not {p_scale!r}")
+    if pv_format == "int8" and (p_scale != "row" or v_smoothing):
+        raise ValueError(f"pv_format='int8' needs p_scale='row' and no v_smoothing, got {p_scale!r}, {v_smoothing}")
     batch, heads, seq, head_dim = query.shape
     scale = head_dim**-0.5 if scale is None else scale
     k, k_mean = smooth_k(key) if k_smoothing else (key.float(), torch.zeros_like(key[:, :, :1]).float())
@@ -192,7 +223,10 @@ def int8_fp8_attention(
     quantize = quantize_int8_blocks if qk_format == "int8" else quantize_fp8_blocks
     q_codes, q_scales = quantize(query, q_block, scale * LOG2E)
     k_codes, k_scales = quantize(k, k_block)
-    if pv_format == "fp8":
+    if pv_format == "int8":
+        v_codes, v_scales, v_mean = quantize_int8_channels_centred(v)
+        p_mult = U8_MAX  # per tile, relative to its own max: the slack only bounds the tile's weight
+    elif pv_format == "fp8":
         v_codes, v_scales = quantize_fp8_channels(v - v_mean)
         p_mult = FP8_MAX * 2.0**-rescale_slack
     else:
@@ -212,7 +246,7 @@ def int8_fp8_attention(
         reference_max = tile_max if p_scale == "row" else new_max
         weight = torch.exp2(reference_max - new_max)  # 1 with the fixed scale
         probs = torch.exp2(logits - reference_max)
-        p8 = to_e4m3(probs * p_mult).float() if pv_format == "fp8" else (probs * p_mult).bfloat16().float()
+        p8 = _round_p(probs * p_mult, pv_format)
         tile_sum = probs.sum(dim=-1, keepdim=True) if row_sum == "exact" else p8.sum(dim=-1, keepdim=True) / p_mult
         running_sum = running_sum * correction + weight * tile_sum
         v8 = v_codes[:, :, keys].float()
@@ -232,6 +266,11 @@ def int8_fp8_attention(
 
 KERNEL_SCHEME = {"rescale_slack": KERNEL_RESCALE_SLACK, "row_sum": "rounded"}
 """`int8_fp8_attention`'s options that are not its defaults in the kernel's scheme."""
+
+INT8_PV_SCHEME = {"pv_format": "int8", "p_scale": "row", "q_block": 1, "rescale_slack": 8.0, "row_sum": "rounded"}
+"""The int8 P·V design for the next 8-bit kernel (issue 29's accuracy target), not yet the kernel's: Q per token,
+P as u8 codes per row and 128-key tile, V int8 about each channel's mid-range, the running max lagging by up to
+8 log2 units (a tile's weight <= 256), l the sum of the rounded codes."""
 
 
 def kernel_twin(
