@@ -188,10 +188,11 @@ def int8_fp8_attention(
         k_smoothing: subtract K's per-channel mean before quantising K.
         v_smoothing: quantise V minus its per-channel mean and add the mean back after normalising.
         p_scale: "fixed" quantises P = exp2(s - running max) as P * 448; "row" takes P relative to the row's
-            max in this tile (exp2(s - tile max), so each tile's largest P is exactly 448) and folds
+            max in this tile (exp2(s - tile max), so each tile's largest P is exactly 448, or 255 as int8) and folds
             exp2(tile max - running max) into that tile's P·V and row sum: one exp2 per row and tile.
         pv_accum_bits: None for f32 P·V per tile; else the FP8 wgmma accumulator's significant bits (e.g. 14),
-            truncated once per k32 step (milder than the H200, which behaves as if truncated after every key).
+            truncated once per k32 step (milder than the H200, which behaves as if truncated after every key);
+            not with pv_format "int8", whose integer products are exact.
         pv_promote: True: each tile's P·V sums in registers of its own, then is added to the f32 accumulator
             (two-level; "row" needs it); False: the wgmma accumulates into the accumulator itself.
         pv_format: "fp8" as above; "bf16" rounds P and V to bfloat16 instead (no V scales; the
@@ -199,8 +200,9 @@ def int8_fp8_attention(
             p_scale "row"), and V as int8 about each channel's mid-range (`quantize_int8_channels_centred`;
             not with v_smoothing): P·V exact in integers per tile, as a u8 x s8 wgmma would run it.
         q_block, k_block: rows per Q scale and keys per K scale (1 = per token); defaults 64 and 128.
-        rescale_slack: with p_scale "fixed", a row's reference max moves only when a tile's max exceeds it by
-            more than this (log2 units), and P is quantised as exp2(s - reference) * 448 / 2^slack (<= 448).
+        rescale_slack: a row's reference max moves only when a tile's max exceeds it by more than this (log2
+            units). With p_scale "fixed", P is quantised as exp2(s - reference) * 448 / 2^slack (<= 448); with
+            pv_format "int8" (p_scale "row") it bounds a tile's weight exp2(tile max - reference) by 2^slack.
         row_sum: "exact" sums P in f32 before rounding; "rounded" sums the rounded P that P·V uses (what the
             kernel's row-sum wgmma computes).
         return_lse: also return each row's natural log-sum-exp of its (quantised) scaled logits, with the
@@ -213,8 +215,11 @@ def int8_fp8_attention(
         raise ValueError(f"p_scale={p_scale!r} rescales each tile's P·V, so it needs pv_promote=True")
     if rescale_slack and p_scale != "fixed" and pv_format != "int8":
         raise ValueError(f"rescale_slack={rescale_slack} needs p_scale='fixed', not {p_scale!r}")
-    if pv_format == "int8" and (p_scale != "row" or v_smoothing):
-        raise ValueError(f"pv_format='int8' needs p_scale='row' and no v_smoothing, got {p_scale!r}, {v_smoothing}")
+    if pv_format == "int8" and (p_scale != "row" or v_smoothing or pv_accum_bits is not None):
+        raise ValueError(
+            f"pv_format='int8' needs p_scale='row', no v_smoothing and no pv_accum_bits, got p_scale={p_scale!r}, "
+            f"v_smoothing={v_smoothing}, pv_accum_bits={pv_accum_bits}"
+        )
     batch, heads, seq, head_dim = query.shape
     scale = head_dim**-0.5 if scale is None else scale
     k, k_mean = smooth_k(key) if k_smoothing else (key.float(), torch.zeros_like(key[:, :, :1]).float())
