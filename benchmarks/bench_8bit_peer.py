@@ -1,11 +1,11 @@
-"""pictor's 8-bit path and its peer on the H200: `attention(kernel="fp8")` and SageAttention 1.0.6 (int8 Q.K
-per block, fp16 P.V, Triton) beside pictor's bf16 kernel and SDPA's cuDNN backend, speed and accuracy on the
-same inputs.
+"""pictor's 8-bit kernels and their peer on Hopper: `attention(kernel="fp8")` (E4M3 P.V), `attention(kernel="int8")`
+(u8 x int8 P.V) and SageAttention 1.0.6 (int8 Q.K per block, fp16 P.V, Triton) beside pictor's bf16 kernel and
+SDPA's cuDNN backend, speed and accuracy on the same inputs.
 
 * Speed: B1, D128, H 24 and 48, N 4608 and 16896 (issue 13's kernel shapes); fresh N(0,1) bf16 inputs;
   GPU time by CUDA events after warm-up, median; TFLOP/s counted as 4 B H N^2 D / t. Both 8-bit rows include
-  their quantisation; pictor's is also timed by stage (`pictor_fp8_prepass`: the two quantising launches;
-  `pictor_fp8_kernel`: the attention kernel alone on prepared operands).
+  their quantisation; pictor's are also timed by stage (`pictor_<kernel>_prepass`: the two quantising launches;
+  `pictor_<kernel>_kernel`: the attention kernel alone on prepared operands).
 * Accuracy: B1 H24 N4608, the study's three input sets (`quant_reference.study_inputs`: N(0,1), K with a
   5-sigma channel offset, peaky q and k x4), rounded to bf16; every method against float64 attention of the
   same rounded inputs: cosine similarity, relative L1, relative L2, max abs.
@@ -53,6 +53,7 @@ def methods() -> dict[str, Method]:
     return {
         "pictor_bf16": lambda q, k, v: attention(q, k, v),
         "pictor_fp8": lambda q, k, v: attention(q, k, v, kernel="fp8"),
+        "pictor_int8": lambda q, k, v: attention(q, k, v, kernel="int8"),
         "sdpa_cudnn_bf16": cudnn,
         "sageattn_1.0.6": lambda q, k, v: _token_major(sageattn(q, k, v, tensor_layout="HND", smooth_k=True)),
     }
@@ -65,7 +66,7 @@ def speed_rows(table: dict[str, Method]) -> list[dict]:
         q, k, v = (torch.randn(shape, device="cuda", generator=generator).bfloat16() for _ in range(3))
         flops = 4 * shape[0] * shape[1] * shape[2] ** 2 * shape[3]
         runs = {name: (lambda run=run, qkv=(q, k, v): run(*qkv)) for name, run in table.items()}
-        for name, run in {**runs, **fp8_stages(q, k, v)}.items():
+        for name, run in {**runs, **eight_bit_stages(q, k, v, "fp8"), **eight_bit_stages(q, k, v, "int8")}.items():
             ms = median_ms(run, warmup=5, timed=20)
             tflops = flops / ms / 1e9
             rows.append({"method": name, "shape": shape, "ms": ms, "tflops": tflops})
@@ -73,8 +74,9 @@ def speed_rows(table: dict[str, Method]) -> list[dict]:
     return rows
 
 
-def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The 8-bit call's two stages on these inputs: the prepass, and the kernel on operands prepared once."""
+def eight_bit_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str) -> dict[str, Callable[[], object]]:
+    """The 8-bit call's two stages on these inputs (kernel `name`): the prepass, and the kernel on operands
+    prepared once."""
     from pictor_diffusers.cuda import nvrtc, runtime
     from pictor_diffusers.cuda.geometry import Geometry
     from pictor_diffusers.cuda.launch import _signature
@@ -82,12 +84,13 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
     from pictor_diffusers.cuda.quantized import quantize, quantized_operands
 
     batch, heads, seq, head_dim = q.shape
-    selection, function, prepass = resolve("fp8", q.dtype, q.dtype, head_dim, q.device.index, True)
+    selection, function, prepass = resolve(name, q.dtype, q.dtype, head_dim, q.device.index, True)
     variant = selection.variant
+    pv = variant.spec.geometry["PV"]
     geometry = Geometry(batch * heads, seq, seq, seq, seq, head_dim, q.dtype, heads, head_dim**-0.5 / math.log(2.0))
     out = torch.empty(batch, seq, heads * head_dim, dtype=q.dtype, device=q.device)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0, 0)
-    operands, keep = quantized_operands(pointers, geometry, q.device.index, prepass)
+    operands, keep = quantized_operands(pointers, geometry, q.device.index, prepass, pv)
     args = (*operands, heads, seq, seq, seq)
     grid, shared, signature = (
         variant.grid(batch, heads, seq, nvrtc.multiprocessors(q.device.index)),
@@ -100,9 +103,9 @@ def fp8_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
         return keep
 
     def prepass_only() -> tuple:
-        return quantize(pointers[:3], geometry, q.device.index, prepass)
+        return quantize(pointers[:3], geometry, q.device.index, prepass, pv=pv)
 
-    return {"pictor_fp8_prepass": prepass_only, "pictor_fp8_kernel": kernel}
+    return {f"pictor_{name}_prepass": prepass_only, f"pictor_{name}_kernel": kernel}
 
 
 def accuracy_rows(table: dict[str, Method]) -> list[dict]:

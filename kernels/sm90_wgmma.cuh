@@ -10,6 +10,7 @@
                     pk_wgmma_n128_rs<KIND>, pk_wgmma_n64_rs<KIND>  16-bit, B MN-major (transposed)
                     pk_wgmma_n128_s8_ss                            int8 x int8 -> s32 (exact)
                     pk_wgmma_n128_e4m3_rs, pk_wgmma_n8_e4m3_rs     FP8 E4M3, f32 accumulators
+                    pk_wgmma_n128_u8s8_rs, pk_wgmma_n8_u8s8_rs     uint8 x int8 -> s32 (exact)
                   KIND 1 is bfloat16, 2 float16; B is K-major unless said otherwise.
    Their asm text is built by PK_WGMMA (and PK_WGMMA_16BIT, which picks the 16-bit dtype): the
    accumulators are the first asm operands, PK_ACCn names n of them in the instruction, PK_Fn (f32) and
@@ -148,6 +149,23 @@ __device__ __forceinline__ void pk_wgmma_n8_e4m3_rs(float* acc, const unsigned i
 {
     asm volatile(PK_WGMMA(9, "m64n8k32.f32.e4m3.e4m3", "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1")
                  : PK_F4(acc, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+/* acc[0..63] (+)= A B, m64n128k32, A uint8 from registers, B int8 from shared memory, s32 accumulators. */
+__device__ __forceinline__ void pk_wgmma_n128_u8s8_rs(int* acc, const unsigned int* a, unsigned long long b,
+                                                      int accumulate)
+{
+    asm volatile(PK_WGMMA(69, "m64n128k32.s32.u8.s8", PK_ACC64 ", {%64, %65, %66, %67}, %68, p")
+                 : PK_R64(acc) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+/* acc[0..3] (+)= A B, m64n8k32, A uint8 from registers, B (8 int8 columns) from shared memory, s32. */
+__device__ __forceinline__ void pk_wgmma_n8_u8s8_rs(int* acc, const unsigned int* a, unsigned long long b,
+                                                    int accumulate)
+{
+    asm volatile(PK_WGMMA(9, "m64n8k32.s32.u8.s8", "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p")
+                 : "+r"(acc[0]), "+r"(acc[1]), "+r"(acc[2]), "+r"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 /* Pin N accumulators at this point of the program: the compiler must not move

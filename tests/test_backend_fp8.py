@@ -2,8 +2,9 @@
 (one warning naming why) where it cannot.
 
 * served calls (head_dim 128, any of f32/bf16/f16 in): one pictor call, no warning, the result of
-  `attention(kernel="fp8")` on the once-rounded bf16 inputs, within the 8-bit bound of float64;
-* Nq != Nk with the log-sum-exp (the 8-bit kernel's, against `attention(kernel="fp8", return_lse=True)`),
+  `attention(kernel=KERNEL)` (the "fp8" precision's kernel) on the once-rounded bf16 inputs, within the 8-bit
+  bound of float64;
+* Nq != Nk with the log-sum-exp (the 8-bit kernel's, against `attention(kernel=KERNEL, return_lse=True)`),
   and boolean key-padding masks, at head_dim 128;
 * another head_dim: the "pictor_bf16" result, one warning naming the head_dim;
 * a tiny FLUX.1 whose head_dim is 128 through `set_attention_backend("pictor_fp8")`;
@@ -24,7 +25,9 @@ from test_backend import Registry, padding_mask, pictor_warnings, qkv, sdpa64
 from test_flux1 import TINY_FLUX1, attention_modules, build_flux1, count_pictor_calls, flux1_inputs, rel_l2
 
 from pictor_diffusers import attention
+from pictor_diffusers.integration.precision import PRECISIONS
 
+KERNEL = PRECISIONS["fp8"].kernel
 EIGHT_BIT_REL_L2 = 0.06
 """The 8-bit scheme's relative L2 error bound on N(0, 1) inputs (measured here: 3.5e-2 to 3.8e-2)."""
 EIGHT_BIT_FROM_BF16 = 1e-2
@@ -50,7 +53,7 @@ def test_head_dim_128_runs_the_8bit_kernel(shape, dtype: torch.dtype, monkeypatc
     assert out.shape == shape and out.dtype == dtype
     batch, seq, heads, head_dim = shape
     rounded = (t.to(torch.bfloat16).transpose(1, 2).contiguous() for t in (query, key, value))
-    twin = attention(*rounded, kernel="fp8").to(dtype).view(batch, seq, heads, head_dim)
+    twin = attention(*rounded, kernel=KERNEL).to(dtype).view(batch, seq, heads, head_dim)
     assert rel_l2(out, twin) <= 1e-4, "not the 8-bit kernel's result"
     assert rel_l2(out, sdpa64(query, key, value)) <= EIGHT_BIT_REL_L2
 
@@ -62,12 +65,12 @@ def test_unequal_lengths_and_lse(batch: int, seq_q: int, seq_k: int) -> None:
     out, lse = Registry._backends[AttentionBackendName("pictor_fp8")](query, key, value, return_lse=True)
     assert out.shape == query.shape and lse.shape == (batch, seq_q, 3) and lse.dtype == torch.float32
     head_major = (t.to(torch.bfloat16).transpose(1, 2).contiguous() for t in (query, key, value))
-    twin, twin_lse = attention(*head_major, kernel="fp8", return_lse=True)
+    twin, twin_lse = attention(*head_major, kernel=KERNEL, return_lse=True)
     assert rel_l2(out, twin.float().view(query.shape)) <= 1e-4 and torch.equal(lse, twin_lse)
     logits = torch.einsum("bqhd,bkhd->bhqk", query.double(), key.double()) * 128**-0.5
     exact_lse = torch.logsumexp(logits, dim=-1).transpose(1, 2)
     assert rel_l2(out, sdpa64(query, key, value)) <= EIGHT_BIT_REL_L2
-    # the LSE sums the E4M3-rounded P (as the kernel's row-sum wgmma does): over 12 keys the rounding does not
+    # the LSE sums the rounded P (as the kernel's row-sum wgmma does): over 12 keys the rounding does not
     # average out (the twin measured 2.4e-2 to 2.7e-2 there; 1.3e-2 to 1.8e-2 with f32 sums); a missing q . mean
     # shift or a natural/log2 mix-up is off by > 0.1
     assert (lse.double() - exact_lse).abs().max().item() <= 3.5e-2

@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.cuda import launch
+from pictor_diffusers.integration.precision import PRECISIONS
 from pictor_diffusers.testing.models import (
     build_flux1_transformer,
     flux1_transformer_inputs,
@@ -249,15 +250,16 @@ EIGHT_BIT_REL_L2 = 0.06
 
 @pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(2, 300, 300), (1, 4608, 4608), (2, 4096, 512)])
 def test_fp8_backend_runs_the_8bit_kernel(batch: int, seq_q: int, seq_k: int) -> None:
-    """`pictor_fp8` on bf16 `[B, N, H, 128]`: `attention(kernel="fp8")`'s result on head-major copies, bit for
+    """`pictor_fp8` on bf16 `[B, N, H, 128]`: the "fp8" precision's kernel's result on head-major copies, bit for
     bit, within the 8-bit bound of float64; at head_dim 64 (no 8-bit build) `pictor_bf16`'s result."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     from pictor_diffusers import attention
 
-    query, key, value, head_major = token_major_qkv(batch, seq_q, seq_k, "fp8")
+    kernel = PRECISIONS["fp8"].kernel
+    query, key, value, head_major = token_major_qkv(batch, seq_q, seq_k, kernel)
     out = dispatch_attention_fn(query, key, value, backend="pictor_fp8")
-    assert torch.equal(out, attention(*head_major, kernel="fp8").view(query.shape))
+    assert torch.equal(out, attention(*head_major, kernel=kernel).view(query.shape))
     exact = torch.nn.functional.scaled_dot_product_attention(*(t.double() for t in head_major)).transpose(1, 2)
     assert rel_l2(out, exact) <= EIGHT_BIT_REL_L2
     narrow = [t[..., :64].contiguous() for t in (query, key, value)]
@@ -272,7 +274,7 @@ def test_fp8_backend_compiles_to_its_eager_result() -> None:
     alone there: resolving a kernel reads data pointers) gives the eager call's result, bit for bit."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    query, key, value, _ = token_major_qkv(1, 300, 300, "fp8")
+    query, key, value, _ = token_major_qkv(1, 300, 300, PRECISIONS["fp8"].kernel)
     compiled = torch.compile(lambda q, k, v: dispatch_attention_fn(q, k, v, backend="pictor_fp8"), fullgraph=True)
     try:
         out = compiled(query, key, value)

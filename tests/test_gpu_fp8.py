@@ -1,9 +1,12 @@
-"""The 8-bit Hopper kernel (`kernel="fp8"`) and its quantising prepass.
+"""The 8-bit Hopper kernels (`kernel="fp8"`: E4M3 P.V; `kernel="int8"`: u8 x int8 P.V) and their quantising
+prepass.
 
 Truths: the prepass against torch's quantisers (`quant_reference`); the kernel against its torch twin on the same
 quantisation (`quant_reference.kernel_twin`: a kernel bug shows as an error far above the twin's own
 rounding noise), and against float64 with the accuracy the scheme has on N(0, 1) inputs (measured on the H200:
-cos 0.9992, rel L1 3.5e-2 to 3.9e-2). Outputs are NaN-poisoned before the launch; inputs are fresh draws.
+cos 0.9992, rel L1 3.5e-2 to 3.9e-2 for "fp8"). Outputs are NaN-poisoned before the launch; inputs are fresh
+draws. The tests of both kernels are parametrized over `KERNELS`; `test_gpu_int8_pv.py` holds the int8 scheme's
+own prepass and accuracy tests.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pictor_diffusers.testing.references import attention_float64, lse_float64, 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16]
+KERNELS = ["fp8", "int8"]
 # (B, H, Nq, Nk): FLUX.2 at 512² / 1024²; odd sizes, not multiples of the 64-row q blocks or 128-key tiles; Nq != Nk.
 SHAPES = [(1, 24, 4608, 4608), (2, 3, 1536, 1536), (2, 3, 77, 77), (1, 4, 1000, 4097), (2, 2, 300, 129), (1, 2, 1, 1)]
 TWIN_REL_L2 = 8e-3
@@ -54,36 +58,38 @@ def qkv(shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int) -> tupl
     return q, k, v
 
 
-def _skip_unless_runs(*tensors: torch.Tensor) -> None:
-    reason = cannot_run("fp8", *tensors)
+def skip_unless_runs(*tensors: torch.Tensor, kernel: str = "fp8") -> None:
+    reason = cannot_run(kernel, *tensors)
     if reason is not None:
         pytest.skip(reason)
 
 
-def _poisoned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+def poisoned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str, **kwargs: object) -> torch.Tensor:
     batch, heads, seq_q, head_dim = q.shape
     out = torch.full((batch, seq_q, heads * head_dim), float("nan"), dtype=q.dtype, device=q.device)
-    return run(plan_attention(q, k, v, head_dim**-0.5, "fp8", q.dtype, out=out, **kwargs))
+    return run(plan_attention(q, k, v, head_dim**-0.5, kernel, q.dtype, out=out, **kwargs))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_kernel_against_twin_and_float64(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+def test_kernel_against_twin_and_float64(shape: tuple[int, int, int, int], dtype: torch.dtype, kernel: str) -> None:
     q, k, v = qkv(shape, dtype, seed=sum(shape))
-    _skip_unless_runs(q, k, v)
-    out = _poisoned_call(q, k, v).double()
+    skip_unless_runs(q, k, v, kernel=kernel)
+    out = poisoned_call(q, k, v, kernel).double()
     assert torch.isfinite(out).all(), "rows left unwritten (NaN poison) or non-finite"
-    twin = kernel_twin(q, k, v, 128**-0.5).double()
+    twin = kernel_twin(q, k, v, 128**-0.5, kernel=kernel).double()
     twin_gap = error_metrics(out, twin)["rel_l2"]
     exact = error_metrics(out, attention_float64(q, k, v))
-    print(f"fp8 {_id(shape)} {_id(dtype)}: vs twin rel_l2 {twin_gap:.2e}; vs float64 {exact}")
+    print(f"{kernel} {_id(shape)} {_id(dtype)}: vs twin rel_l2 {twin_gap:.2e}; vs float64 {exact}")
     assert twin_gap <= TWIN_REL_L2
     if shape[3] > 1:  # one key: the output is v itself, up to E4M3 rounding of v
         assert exact["cos"] >= FLOAT64_COS and exact["rel_l1"] <= FLOAT64_REL_L1
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_lse_against_float64_and_twin(dtype: torch.dtype) -> None:
+def test_lse_against_float64_and_twin(dtype: torch.dtype, kernel: str) -> None:
     """K with a per-channel offset: smoothing takes q . mean off each logit, and the LSE must add it back
     (ring attention merges partial results by their LSEs). Bound: the twin's own LSE error on these inputs
     (measured on CPU: 3.9e-3 at N(0,1), 4.3e-3 with the offset; 3 before the shift was added back). Kernel vs
@@ -92,27 +98,28 @@ def test_lse_against_float64_and_twin(dtype: torch.dtype) -> None:
     since)."""
     q, k, v = qkv((2, 3, 300, 1000), dtype, seed=5)
     k = (k.float() + 3.0 * torch.randn(2, 3, 1, 128, device=k.device)).to(dtype)
-    _skip_unless_runs(q, k, v)
-    out, lse = attention(q, k, v, kernel="fp8", return_lse=True)
-    twin_out, twin_lse = kernel_twin(q, k, v, 128**-0.5, return_lse=True)
+    skip_unless_runs(q, k, v, kernel=kernel)
+    out, lse = attention(q, k, v, kernel=kernel, return_lse=True)
+    twin_out, twin_lse = kernel_twin(q, k, v, 128**-0.5, return_lse=True, kernel=kernel)
     assert lse.shape == (2, 300, 3) and lse.dtype == torch.float32
     exact_gap, twin_gap = (lse.double() - lse_float64(q, k)).abs().max().item(), (lse - twin_lse).abs().max().item()
     out_gap = error_metrics(out.double(), twin_out.double())["rel_l2"]
-    print(f"fp8 LSE {_id(dtype)}: vs float64 {exact_gap:.2e}, vs twin {twin_gap:.2e}; output vs twin {out_gap:.2e}")
+    print(f"{kernel} LSE {_id(dtype)}: vs float64 {exact_gap:.2e}, vs twin {twin_gap:.2e}; out vs twin {out_gap:.2e}")
     assert exact_gap <= 2e-2 and twin_gap <= 5e-3 and out_gap <= TWIN_REL_L2
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("seq", [4608, 16896])
-def test_v_offset_against_float64_and_twin(seq: int) -> None:
+def test_v_offset_against_float64_and_twin(seq: int, kernel: str) -> None:
     """V with a 5-sigma channel offset ("v_offset"): O's mean part is a positive sum over all keys. Summed over all
     tiles in the FP8 wgmma's accumulator (~14 significant bits) it came out 8.4e-2 (4608) and 0.26 (16896) from
     the twin on the H200; promoted to f32 per tile, 1.8e-3. The twin is 9e-4 to 1e-3 from float64 here."""
     q, k, v = (t.cuda().bfloat16() for t in study_inputs("v_offset", 1, 2, seq, 128, seed=seq))
-    _skip_unless_runs(q, k, v)
-    out = attention(q, k, v, kernel="fp8").double()
-    twin_gap = error_metrics(out, kernel_twin(q, k, v, 128**-0.5).double())["rel_l2"]
+    skip_unless_runs(q, k, v, kernel=kernel)
+    out = attention(q, k, v, kernel=kernel).double()
+    twin_gap = error_metrics(out, kernel_twin(q, k, v, 128**-0.5, kernel=kernel).double())["rel_l2"]
     exact_gap = error_metrics(out, attention_float64(q, k, v))["rel_l2"]
-    print(f"fp8 v_offset N{seq}: vs twin rel_l2 {twin_gap:.2e}, vs float64 {exact_gap:.2e}")
+    print(f"{kernel} v_offset N{seq}: vs twin rel_l2 {twin_gap:.2e}, vs float64 {exact_gap:.2e}")
     assert twin_gap <= TWIN_REL_L2 and exact_gap <= 1e-2
 
 
@@ -120,7 +127,7 @@ def test_prepass_matches_torch_quantisers() -> None:
     batch, heads, seq_q, seq_k = 2, 3, 200, 300
     q, k, v = qkv((batch, heads, seq_q, seq_k), torch.bfloat16, seed=9)
     k = k + 3.0  # an offset for smoothing to remove
-    _skip_unless_runs(q, k, v)
+    skip_unless_runs(q, k, v)
     scale_log2 = 128**-0.5 * LOG2E
     geometry = Geometry(batch * heads, seq_q, seq_k, seq_q, seq_k, 128, q.dtype, heads, scale_log2)
     function = nvrtc.function(quantize_variant(128, "bfloat16"), q.device.index)
@@ -157,21 +164,22 @@ def test_prepass_matches_torch_quantisers() -> None:
     assert (vt[..., physical >= seq_k] == 0).all(), "V^T codes of keys past seq_k are not zero"
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_key_lens(dtype: torch.dtype) -> None:
+def test_key_lens(dtype: torch.dtype, kernel: str) -> None:
     """Keys past a batch's count are NaN here: they must enter neither K's mean nor any scale or code."""
     counts = [1000, 0, 129]
     q, k, v = qkv((3, 2, 77, 1000), dtype, seed=13)
     for b, count in enumerate(counts):
         k[b, :, count:] = float("nan")
         v[b, :, count:] = float("nan")
-    _skip_unless_runs(q, k, v)
+    skip_unless_runs(q, k, v, kernel=kernel)
     key_lens = torch.tensor(counts, dtype=torch.int32, device=q.device)
     lse = torch.full((3, 77, 2), float("nan"), device=q.device)
-    out = _poisoned_call(q, k, v, key_lens=key_lens, lse=lse).double()
+    out = poisoned_call(q, k, v, kernel, key_lens=key_lens, lse=lse).double()
     assert torch.equal(out[1], torch.zeros_like(out[1])), "a batch without keys must get rows of 0"
     assert torch.isneginf(lse[1]).all(), "a batch without keys must get LSE -inf"
-    twin = kernel_twin(q, k, v, 128**-0.5, key_lens=key_lens).double()
+    twin = kernel_twin(q, k, v, 128**-0.5, key_lens=key_lens, kernel=kernel).double()
     for b in (0, 2):
         exact = attention_float64(q[b : b + 1], k[b : b + 1, :, : counts[b]], v[b : b + 1, :, : counts[b]])
         metrics = error_metrics(out[b : b + 1], exact)
@@ -180,44 +188,47 @@ def test_key_lens(dtype: torch.dtype) -> None:
         assert torch.isfinite(lse[b]).all()
 
 
-def test_windows_match_separate_calls() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_windows_match_separate_calls(kernel: str) -> None:
     q, k, v = qkv((1, 3, 700, 900), torch.bfloat16, seed=17)
-    _skip_unless_runs(q, k, v)
+    skip_unless_runs(q, k, v, kernel=kernel)
     windows = [Window(0, 300, 0, 450), Window(300, 700, 200, 900)]
-    out = windowed_attention(q, k, v, windows, out_dtype=q.dtype, kernel="fp8")
+    out = windowed_attention(q, k, v, windows, out_dtype=q.dtype, kernel=kernel)
     for w in windows:
         rows, keys = slice(w.q_start, w.q_stop), slice(w.k_start, w.k_stop)
         alone = attention(
-            q[:, :, rows].contiguous(), k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), kernel="fp8"
+            q[:, :, rows].contiguous(), k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), kernel=kernel
         )
         assert torch.equal(out[:, rows], alone), f"window {w} differs from its own call"
 
 
-def test_deterministic_and_layout_independent() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_deterministic_and_layout_independent(kernel: str) -> None:
     q, k, v = qkv((2, 4, 1000, 1000), torch.bfloat16, seed=21)
-    _skip_unless_runs(q, k, v)
-    first = attention(q, k, v, kernel="fp8")
-    assert torch.equal(first, attention(q, k, v, kernel="fp8")), "two calls on the same inputs differ"
+    skip_unless_runs(q, k, v, kernel=kernel)
+    first = attention(q, k, v, kernel=kernel)
+    assert torch.equal(first, attention(q, k, v, kernel=kernel)), "two calls on the same inputs differ"
     token_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
-    assert torch.equal(first, attention(*token_major, kernel="fp8"))
+    assert torch.equal(first, attention(*token_major, kernel=kernel))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @torch.no_grad()
-def test_pictor_attn_fp8_eager_and_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pictor_attn_fp8_eager_and_compiled(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
     """An fp32 model, so that eager and inductor differ only in rounding q, k, v to bf16 before quantising."""
     config = {**TINY_CONFIG, "attention_head_dim": 128, "num_attention_heads": 2, "axes_dims_rope": (32, 32, 32, 32)}
     model = build_transformer(config, device="cuda")
     inputs = transformer_inputs(model, batch=2, latent_hw=(12, 10), text_len=33)
-    if cannot_run("fp8", *(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))):
-        pytest.skip("the fp8 kernel cannot run on this device")
+    if cannot_run(kernel, *(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))):
+        pytest.skip(f"the {kernel} kernel cannot run on this device")
     model.set_attn_processor(PictorAttn(precision="bf16"))
     bf16 = model(**inputs)[0].double()
-    model.set_attn_processor(PictorAttn(precision="fp8"))
+    model.set_attn_processor(PictorAttn(precision="fp8", kernel=kernel))
     calls = count_launches(monkeypatch, "8bit")
     eager = model(**inputs)[0]
     assert calls[0] == model.config.num_layers + model.config.num_single_layers
     rel = ((eager.double() - bf16).norm() / bf16.norm()).item()
-    print(f"tiny FLUX.2, fp8 vs bf16 path: rel_l2 {rel:.2e}")
+    print(f"tiny FLUX.2, {kernel} vs bf16 path: rel_l2 {rel:.2e}")
     assert torch.isfinite(eager).all() and rel <= 0.05
     compiled = torch.compile(model, fullgraph=True)(**inputs)[0]
     assert calls[0] == 2 * (model.config.num_layers + model.config.num_single_layers), "compiled: not the fp8 kernel"

@@ -31,6 +31,7 @@ from pictor_diffusers.cuda.pass_rows import (
     PROLOGUE,
     PROLOGUE_SPLIT,
     QUANTIZE,
+    QUANTIZE_U8,
     SPLIT,
     prologue_split_variant,
     prologue_variant,
@@ -47,9 +48,9 @@ PROLOGUES = tuple(
     for out in {"float32", dtype}
 )
 SPLIT_PROLOGUES = tuple(prologue_split_variant(128, dtype) for dtype in ("float32", *PTX_TYPE))
-PREPASSES = (split_variant(128), quantize_variant(128, "bfloat16"), quantize_variant(128, "float16"))
+PREPASSES = (split_variant(128), *(quantize_variant(128, d, pv) for d in PTX_TYPE for pv in ("0", "1")))
 ALL = tuple(v for spec in KERNELS for v in variants(spec)) + PROLOGUES + SPLIT_PROLOGUES + PREPASSES
-PASSES = (PROLOGUE, PROLOGUE_SPLIT, SPLIT, QUANTIZE)
+PASSES = (PROLOGUE, PROLOGUE_SPLIT, SPLIT, QUANTIZE, QUANTIZE_U8)
 """The rows that are not attention kernels: the prologues and the prepasses."""
 MAY_SPILL = {"f32_d256_float32_to_float32", "f32_d384_float32_to_float32"}
 """Wide scalar-kernel builds (head_dim > 128: no FLUX.2 model) may spill; they warn instead."""
@@ -85,13 +86,20 @@ def _family_instructions(variant: Variant, ptx: str) -> None:
         mma = r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32" if name == "mma16" else r"wgmma\.mma_async\.\S*f32"
         assert re.search(rf"\b{mma}\.{kind}\.{kind}\b", ptx), f"no {kind} tensor-core product in {variant.name}"
         assert not re.search(rf"\b(?:w?g?mma)\S*\.{other}\.{other}\b", ptx), f"{variant.name} multiplies {other}"
-    elif name == "fp8":
+    elif name in ("fp8", "int8"):
+        products = ".f32.e4m3.e4m3" if name == "fp8" else ".s32.u8.s8"
         assert re.search(r"\bwgmma\.mma_async\.sync\.aligned\.m64n128k32\.s32\.s8\.s8\b", ptx), "no int8 Q.K wgmma"
-        assert re.search(r"\bwgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3\b", ptx), "no E4M3 P.V"
-        conversions = len(re.findall(r"\bcvt\.rn\.f32\.s32\b", ptx))  # the epilogue's log2f has one per row
-        assert conversions <= 4, f"{conversions} s32 -> f32 I2F conversions: the scores' bias trick is gone"
+        for shape in ("m64n128k32", "m64n8k32"):
+            assert f"wgmma.mma_async.sync.aligned.{shape}{products} " in ptx, f"no {shape}{products} P.V"
+        if name == "fp8":
+            conversions = len(re.findall(r"\bcvt\.rn\.f32\.s32\b", ptx))  # the epilogue's log2f: one per row
+            assert conversions <= 4, f"{conversions} s32 -> f32 I2F conversions: the scores' bias trick is gone"
+        else:
+            assert "cvt.pack.sat.u8.s32.b32" in ptx, "P's u8 codes are not packed by cvt.pack (F2IP)"
     elif name == "quantize8":
         assert re.search(r"\bcvt\.rn\.satfinite\.e4m3x2\.f32\b", ptx), "no E4M3 conversion in the prepass"
+    elif name == "quantize8_u8":
+        assert "e4m3" not in ptx, "E4M3 codes in the int8 kernel's prepass"
 
 
 @needs_cupy
@@ -240,7 +248,7 @@ def _run(command: list[str]) -> str:
     return result.stdout
 
 
-WGMMA = variants(BY_NAME["wgmma"]) + variants(BY_NAME["fp16x3"]) + variants(BY_NAME["fp8"])
+WGMMA = tuple(v for name in ("wgmma", "fp16x3", "fp8", "int8") for v in variants(BY_NAME[name]))
 
 
 @needs_cupy
@@ -258,7 +266,8 @@ def test_wgmma_cubin(variant: Variant, tmp_path: Path) -> None:
     path = tmp_path / f"{variant.name}.cubin"
     path.write_bytes(cubin)
     sass = _run([*tool, str(path)])
-    for instruction in ("IGMMA", "QGMMA") if variant.spec.name == "fp8" else ("HGMMA",):
+    expected = {"fp8": ("IGMMA", "QGMMA"), "int8": ("IGMMA",)}.get(variant.spec.name, ("HGMMA",))
+    for instruction in expected:
         assert instruction in sass, f"{variant.name}: no {instruction} in the SASS"
     if Path(tool[0]).name == "cuobjdump":
         usage = _run([tool[0], "-res-usage", str(path)])

@@ -28,8 +28,10 @@ def test_backends_are_rows_of_the_precision_table() -> None:
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_every_listed_kernel_is_taken(precision: str) -> None:
     for kernel in PRECISIONS[precision].kernels:
-        expected = PRECISIONS[precision].kernel if precision == "fp8" else kernel
+        expected = PRECISIONS[precision].kernel if kernel == "auto" else kernel
         assert resolve_kernel(precision, kernel) == expected == PictorAttn(kernel, precision).kernel
+    if precision == "fp8":
+        assert [resolve_kernel("fp8", name) for name in eight_bit_kernels()] == list(eight_bit_kernels())
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ import pictor_diffusers.ops.quant_reference as quant_reference
 from pictor_diffusers.cuda.sources import read_source
 from pictor_diffusers.ops.quant_reference import (
     FP8_MAX,
+    INT8_PV_SCHEME,
     KERNEL_RESCALE_SLACK,
     KERNEL_SCHEME,
     QUANT_FLOOR,
@@ -296,7 +297,7 @@ def test_kernel_twin_runs_the_kernel_scheme() -> None:
     """`kernel_twin`, with and without key_lens, is `int8_fp8_attention` with F8_SLACK (read from the kernel) and
     rounded row sums, bit for bit; and each of the two options changes the result (so the check is not vacuous:
     K grows along the keys, the reference max lags, and l of the rounded P differs from the f32 one)."""
-    slack = float(re.search(r"#define F8_SLACK ([0-9.]+)f", read_source("flash_attn_fp8.cu")).group(1))
+    slack = float(re.search(r"#define F8_SLACK ([0-9.]+)f", read_source("pv_e4m3.cuh")).group(1))
     generator = torch.Generator().manual_seed(13)
     q = torch.randn(2, 2, 70, 128, generator=generator)
     k = torch.randn(2, 2, 600, 128, generator=generator) * torch.linspace(1.0, 2.5, 600).view(1, 1, -1, 1)
@@ -366,3 +367,20 @@ def test_per_key_14_bit_truncation_reproduces_the_one_level_kernel(monkeypatch: 
     run = partial(int8_fp8_attention, q, k, v, 128**-0.5, pv_accum_bits=14, **KERNEL_SCHEME)
     assert rel_l2(run(pv_promote=False), twin) >= 5e-2
     assert rel_l2(run(), twin) <= 2e-3
+
+
+def test_int8_kernel_twin_runs_the_u8_scheme() -> None:
+    """`kernel_twin(kernel="int8")`, with and without key_lens, is `int8_fp8_attention` in `INT8_PV_SCHEME`, whose
+    slack is the kernel's (pv_u8.cuh's F8_SLACK), bit for bit."""
+    slack = float(re.search(r"#define F8_SLACK ([0-9.]+)f", read_source("pv_u8.cuh")).group(1))
+    assert INT8_PV_SCHEME["rescale_slack"] == slack
+    generator = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(2, 2, n, 128, generator=generator) for n in (70, 600, 600))
+    scale = 128**-0.5
+    out, lse = kernel_twin(q, k, v, scale, return_lse=True, kernel="int8")
+    want_out, want_lse = int8_fp8_attention(q, k, v, scale, return_lse=True, **INT8_PV_SCHEME)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    out = kernel_twin(q, k, v, scale, key_lens=torch.tensor([600, 300]), kernel="int8")
+    want = int8_fp8_attention(q[1:], k[1:, :, :300], v[1:, :, :300], scale, **INT8_PV_SCHEME)
+    assert torch.equal(out[1:], want)
+    assert not torch.equal(out, kernel_twin(q, k, v, scale, key_lens=torch.tensor([600, 300])))

@@ -168,9 +168,9 @@ def test_every_combination(in_dtype: str, head_dim: int, device: str, aligned: b
 
 
 def test_choices_and_families() -> None:
-    assert KERNEL_CHOICES == ("auto", "fp16x3", "wgmma", "fp8", "mma16", "tf32x3", "f32")
+    assert KERNEL_CHOICES == ("auto", "fp16x3", "wgmma", "int8", "fp8", "mma16", "tf32x3", "f32")
     assert kernels_for("float32") == kernels_for("float32", lossy=False) == ("auto", "fp16x3", "tf32x3", "f32")
-    assert kernels_for("bfloat16") == kernels_for("float16") == ("auto", "wgmma", "fp8", "mma16")
+    assert kernels_for("bfloat16") == kernels_for("float16") == ("auto", "wgmma", "int8", "fp8", "mma16")
     assert kernels_for("bfloat16", lossy=False) == ("auto", "wgmma", "mma16")
 
 
@@ -201,7 +201,7 @@ def test_compile_flags_match_the_pre_registry_builds() -> None:
     (same source, same options: the same machine code); the Hopper cubins never had it (fp16x3
     keeps subnormal scale factors)."""
     for spec in KERNELS:
-        assert spec.flags == (() if spec.name in ("wgmma", "fp16x3", "fp8") else ("-ftz=true",)), spec.name
+        assert spec.flags == (() if spec.name in ("wgmma", "fp16x3", "fp8", "int8") else ("-ftz=true",)), spec.name
         assert all(option in variants(spec)[0].options() for option in spec.flags)
 
 

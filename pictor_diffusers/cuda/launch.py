@@ -139,7 +139,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
         geometry = Geometry(
             batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
         )
-        operands, keep = _operands(spec.operands, pointers, geometry, device_index, plan.prepass_function, plan.split)
+        operands, keep = _operands(spec, pointers, geometry, device_index, plan.prepass_function, plan.split)
     return Launch(
         device_index,
         variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
@@ -179,17 +179,17 @@ def _signature(spec: KernelSpec) -> tuple[Any, ...]:
 
 
 def _operands(
-    kind: str, pointers: tuple[int, ...], geometry: Geometry, device_index: int, prepass: int,
+    spec: KernelSpec, pointers: tuple[int, ...], geometry: Geometry, device_index: int, prepass: int,
     split: SplitPlanes | None = None,
 ) -> tuple[tuple[Any, ...], object]:  # fmt: skip
     """(operand values, what must stay referenced until the launch) of a contiguous-input row's
     operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs
-    the split prepass first unless `split` holds the planes already, "quantized" the 8-bit one
-    (`prepass`: its loaded `CUfunction` handle)."""
-    if kind == "pointers":
+    the split prepass first unless `split` holds the planes already, "quantized" the 8-bit one in the
+    row's P.V scheme (`prepass`: its loaded `CUfunction` handle)."""
+    if spec.operands == "pointers":
         return pointers, None
-    if kind == "quantized":
-        return quantized_operands(pointers, geometry, device_index, prepass)
+    if spec.operands == "quantized":
+        return quantized_operands(pointers, geometry, device_index, prepass, spec.geometry["PV"])
     g = geometry
     planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass) if split is None else split[:2]
     base, half = planes.data_ptr(), 2

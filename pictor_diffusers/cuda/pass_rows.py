@@ -77,19 +77,24 @@ QUANTIZE = KernelSpec(
     head_dims=(128,),
     rows_per_block=128,
     prefix="QZ_",
-    geometry={"THREADS": "256", "CHUNKS": "16"},
+    geometry={"THREADS": "256", "CHUNKS": "16", "PV": "0"},
     kinds=("IN_KIND",),
     scalars=("seq_q", "seq_k", "q_pitch", "kv_pitch", "heads", "scale_log2"),
     **{**_PASS, "min_capability": (8, 9)},
 )
-"""The 8-bit kernel's prepass: 16-bit q, k, v -> int8 q, smoothed int8 k, E4M3 V^T and their scales
-(two phases, one entry)."""
+"""The "fp8" kernel's prepass: 16-bit q, k, v -> int8 q (a scale per 64 rows), smoothed int8 k, E4M3 V^T
+and their scales (two phases, one entry)."""
+
+QUANTIZE_U8 = replace(QUANTIZE, name="quantize8_u8", geometry={**QUANTIZE.geometry, "PV": "1"})
+"""The "int8" kernel's prepass: as `QUANTIZE`, but q with a scale per row and V^T as int8 about each
+channel's mid-range (a step and a centre per channel)."""
 
 
 @functools.cache
-def quantize_variant(head_dim: int, in_dtype: str) -> Variant:
-    """The quantising prepass build for `head_dim` (128) and `in_dtype` (bfloat16 or float16) inputs."""
-    return Variant(QUANTIZE, head_dim, in_dtype, "int8")
+def quantize_variant(head_dim: int, in_dtype: str, pv: str = "0") -> Variant:
+    """The quantising prepass build for `head_dim` (128), `in_dtype` (bfloat16 or float16) inputs and the
+    8-bit kernel's P.V scheme `pv` (its geometry's "PV": "0" E4M3, "1" u8 x int8)."""
+    return Variant(QUANTIZE if pv == "0" else QUANTIZE_U8, head_dim, in_dtype, "int8")
 
 
 @functools.cache
@@ -120,5 +125,5 @@ def prepass_for(variant: Variant) -> Variant | None:
     if variant.spec.operands == "split_planes":
         return split_variant(variant.head_dim)
     if variant.spec.operands == "quantized":
-        return quantize_variant(variant.head_dim, variant.in_dtype)
+        return quantize_variant(variant.head_dim, variant.in_dtype, variant.spec.geometry["PV"])
     return None

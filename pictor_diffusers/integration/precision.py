@@ -35,8 +35,8 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 class Precision(NamedTuple):
-    """One precision: q/k/v's compute dtype (None: chosen from the model dtype), the kernel it runs
-    ("auto": the caller's `kernel=` choice; else that one kernel) and the `kernel=` choices it takes."""
+    """One precision: q/k/v's compute dtype (None: chosen from the model dtype), the kernel `kernel="auto"`
+    runs ("auto": chosen per call; else that kernel) and the `kernel=` choices it takes."""
 
     compute: torch.dtype | None
     kernel: str
@@ -62,13 +62,14 @@ BACKEND_PRECISIONS: dict[str, str] = {
 
 
 def resolve_kernel(precision: str, kernel: str) -> str:
-    """The kernel a `PictorAttn(kernel=kernel, precision=precision)` runs; ValueError names a bad pair."""
+    """The kernel a `PictorAttn(kernel=kernel, precision=precision)` runs (a named kernel itself, "auto" the
+    row's `kernel`); ValueError names a bad pair."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
     row = PRECISIONS[precision]
     if kernel not in row.kernels:
         raise ValueError(f"kernel={kernel!r} does not serve precision={precision!r}; choose one of {row.kernels}")
-    return kernel if row.kernel == "auto" else row.kernel
+    return row.kernel if kernel == "auto" else kernel
 
 
 def compute_dtype(precision: str, model_dtype: torch.dtype) -> torch.dtype:

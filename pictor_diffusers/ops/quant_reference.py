@@ -1,5 +1,6 @@
 """8-bit attention (SageAttention2-style) in torch: the numerical twin of the Hopper kernel
-`kernels/flash_attn_fp8.cu` (`kernel="fp8"`), which `kernel_twin` runs for CPU tensors.
+`kernels/flash_attn_fp8.cu` (`kernel="fp8"`, and `kernel="int8"` in `INT8_PV_SCHEME`), which `kernel_twin` runs
+for CPU tensors.
 
 What the kernel does, tile by tile, emulated in float32:
 
@@ -273,9 +274,12 @@ KERNEL_SCHEME = {"rescale_slack": KERNEL_RESCALE_SLACK, "row_sum": "rounded"}
 """`int8_fp8_attention`'s options that are not its defaults in the kernel's scheme."""
 
 INT8_PV_SCHEME = {"pv_format": "int8", "p_scale": "row", "q_block": 1, "rescale_slack": 8.0, "row_sum": "rounded"}
-"""The int8 P·V design for the next 8-bit kernel (issue 29's accuracy target), not yet the kernel's: Q per token,
-P as u8 codes per row and 128-key tile, V int8 about each channel's mid-range, the running max lagging by up to
-8 log2 units (a tile's weight <= 256), l the sum of the rounded codes."""
+"""The "int8" kernel's scheme (`kernels/pv_u8.cuh`): Q per token, P as u8 codes per row and 128-key tile, V int8
+about each channel's mid-range, the running max lagging by up to 8 log2 units (a tile's weight <= 256), l the
+sum of the rounded codes."""
+
+KERNEL_SCHEMES = {"fp8": KERNEL_SCHEME, "int8": INT8_PV_SCHEME}
+"""8-bit kernel name -> `int8_fp8_attention`'s options of its scheme."""
 
 
 def kernel_twin(
@@ -285,14 +289,17 @@ def kernel_twin(
     scale: float,
     return_lse: bool = False,
     key_lens: torch.Tensor | None = None,
+    kernel: str = "fp8",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`kernel="fp8"` in torch: `int8_fp8_attention` with the kernel's scheme, batch by batch over the first
-    `key_lens[b]` keys when given (a batch with none gets rows of 0 and LSE -inf, as the kernel writes).
+    """An 8-bit kernel (`kernel`: "fp8" or "int8") in torch: `int8_fp8_attention` with that kernel's scheme
+    (`KERNEL_SCHEMES`), batch by batch over the first `key_lens[b]` keys when given (a batch with none gets
+    rows of 0 and LSE -inf, as the kernel writes).
 
     Returns token-major `[B, Nq, H*D]` float32, and with `return_lse` the LSE `[B, Nq, H]` float32.
     """
+    scheme = KERNEL_SCHEMES[kernel]
     if key_lens is None:
-        return int8_fp8_attention(query, key, value, scale, return_lse=return_lse, **KERNEL_SCHEME)
+        return int8_fp8_attention(query, key, value, scale, return_lse=return_lse, **scheme)
     outs, lses = [], []
     _, heads, seq, head_dim = query.shape
     for b, count in enumerate(key_lens.clamp(0, key.shape[2]).tolist()):
@@ -302,7 +309,7 @@ def kernel_twin(
             continue
         rows = slice(b, b + 1)
         out, lse = int8_fp8_attention(
-            query[rows], key[rows, :, :count], value[rows, :, :count], scale, return_lse=True, **KERNEL_SCHEME
+            query[rows], key[rows, :, :count], value[rows, :, :count], scale, return_lse=True, **scheme
         )
         outs.append(out)
         lses.append(lse)

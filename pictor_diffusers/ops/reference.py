@@ -81,7 +81,7 @@ def twin_attention(
     if spec is not None and spec.family == "8bit":
         if query.shape[-1] not in spec.head_dims:
             raise ValueError(f"kernel={kernel!r} takes head_dim {spec.head_dims}, got head_dim={query.shape[-1]}")
-        result = kernel_twin(query, key, value, scale, return_lse=return_lse, key_lens=key_lens)
+        result = kernel_twin(query, key, value, scale, return_lse=return_lse, key_lens=key_lens, kernel=kernel)
     else:
         upcast = tuple(t.float() for t in (query, key, value))
         result = online_softmax_attention(*upcast, scale, return_lse=return_lse, key_lens=key_lens)
