@@ -9,9 +9,10 @@ attention kernel's input), the kernel it runs and the `kernel=` choices it takes
   16-bit dtype, attention on 16-bit tensor cores with f32 accumulation and f32
   softmax (wgmma on Hopper); as accurate as SDPA's 16-bit kernels.
 * "fp8" (8-bit speed, lossy): norms and RoPE in float32, q/k/v rounded to
-  bf16, then quantised on the GPU (int8 q and smoothed k with per-block
-  scales, E4M3 v per channel) for int8 Q.K and FP8 P.V on Hopper; see the
-  README's precision contract for its measured error.
+  bf16, then quantised on the GPU (int8 q per row, smoothed int8 k per key
+  tile, int8 v about each channel's mid-range) for int8 Q.K and u8 x int8 P.V
+  on Hopper (the "int8" kernel; `kernel="fp8"`: E4M3 v and P.V); see the
+  README's precision contract for their measured error.
 * "auto": the 16-bit path in the model's dtype for bf16/fp16 models, "fp32"
   for fp32 models.
 

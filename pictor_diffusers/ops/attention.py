@@ -116,8 +116,8 @@ def attention(
             path): "fp16x3" (Hopper: scaled fp16 hi/lo splits, three wgmma
             products), "tf32x3" (3xTF32 on mma.sync, sm_80+) or "f32" (the
             scalar-FP32 reference). bfloat16 / float16 inputs (the fast path): "wgmma"
-            (Hopper) or "mma16" (sm_80+); or, by name only, "fp8" (Hopper: int8 Q.K and FP8
-            E4M3 P.V with per-block scales, see the README's precision contract).
+            (Hopper) or "mma16" (sm_80+); or, by name only, an 8-bit kernel (Hopper, head_dim 128,
+            int8 Q.K): "int8" (u8 x int8 P.V) or "fp8" (E4M3 P.V); see the README's precision contract.
         return_lse: also return the natural log-sum-exp of each row's scaled
             logits, `lse[b, n, h] = log(sum_j exp(scale * q[b, h, n] . k[b, h, j]))`,
             `[B, Nq, H]` float32 (the layout diffusers' ring-attention merge uses).
@@ -140,8 +140,8 @@ def attention(
     the family that can run the inputs (`cuda.selection.select_kernel`); 16-bit
     inputs no 16-bit kernel takes run the f32 kernels on upcast inputs. On CPU
     both paths run the same online-softmax algorithm in float32 torch
-    (`pictor_diffusers.ops.reference`); "fp8" runs its quantised twin
-    (`pictor_diffusers.ops.quant_reference.kernel_twin`), at the kernel's head_dim 128 only.
+    (`pictor_diffusers.ops.reference`); "int8" and "fp8" run their quantised twins
+    (`pictor_diffusers.ops.quant_reference.kernel_twin`), at the kernels' head_dim 128 only.
     """
     call = memo_key(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
     if call is not None:
