@@ -103,7 +103,7 @@ def eight_bit_stages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: st
         return keep
 
     def prepass_only() -> tuple:
-        return quantize(pointers[:3], geometry, q.device.index, prepass, pv=pv)
+        return quantize(pointers[:3], geometry, q.device.index, prepass, pv)
 
     return {f"pictor_{name}_prepass": prepass_only, f"pictor_{name}_kernel": kernel}
 

@@ -1,4 +1,6 @@
-"""The 8-bit kernel against its torch twin and float64 at FLUX.2's sequence lengths, on the study's input sets.
+"""An 8-bit kernel against its torch twin and float64 at FLUX.2's sequence lengths, on the study's input sets.
+
+`--kernel`: "int8" (the default, the "fp8" precision's kernel) or "fp8" (E4M3 P.V).
 
 Per row (input set, heads, tokens; B1 D128, bf16 inputs from `quant_reference.study_inputs`): the kernel's
 relative L2 from `kernel_twin` (the same quantisation: a kernel bug shows far above the twin's rounding noise),
@@ -6,7 +8,7 @@ the LSE's largest gap from the twin's and from float64, and cosine / relative L1
 float64 attention. This is the check that caught the FP8 wgmma's short accumulator summing l, and then O
 (on v_offset), over all keys.
 
-    python benchmarks/bench_fp8_accuracy.py --json benchmarks/results/h200_fp8_accuracy.json
+    python benchmarks/bench_fp8_accuracy.py --kernel fp8 --json benchmarks/results/h200_fp8_accuracy.json
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ CASES = [("normal", 2, 16896), ("peaky", 2, 16896), ("v_offset", 2, 16896), ("k_
 unless each tile's sum is promoted to f32.)"""
 
 
-def accuracy_row(kind: str, heads: int, seq: int) -> dict:
+def accuracy_row(kind: str, heads: int, seq: int, kernel: str) -> dict:
     q, k, v = (t.cuda().bfloat16() for t in study_inputs(kind, 1, heads, seq, 128, seed=seq + heads))
-    out, lse = attention(q, k, v, kernel="fp8", return_lse=True)
-    twin_out, twin_lse = kernel_twin(q.float(), k.float(), v.float(), 128**-0.5, return_lse=True)
+    out, lse = attention(q, k, v, kernel=kernel, return_lse=True)
+    twin_out, twin_lse = kernel_twin(q.float(), k.float(), v.float(), 128**-0.5, return_lse=True, kernel=kernel)
     logits = (q.double() @ k.double().transpose(-1, -2)) * 128**-0.5
     exact = (torch.softmax(logits, -1) @ v.double()).transpose(1, 2).reshape(1, seq, heads * 128)
     exact_lse = torch.logsumexp(logits, -1).transpose(1, 2)
     kernel_err, twin_err = error_metrics(out.double(), exact), error_metrics(twin_out.double(), exact)
     return {
+        "kernel": kernel,
         "set": kind,
         "shape": [1, heads, seq, 128],
         "vs_twin_rel_l2": rel_l2(out.double(), twin_out.double()),
@@ -50,11 +53,12 @@ def accuracy_row(kind: str, heads: int, seq: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="int8", choices=("int8", "fp8"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = []
     for case in CASES:
-        row = accuracy_row(*case)
+        row = accuracy_row(*case, args.kernel)
         rows.append(row)
         print(
             f"{row['set']:>8} {row['shape']}: vs twin {row['vs_twin_rel_l2']:.2e}, LSE vs twin {row['lse_vs_twin']:.2e}"

@@ -12,10 +12,11 @@ for part in ${@:-tests memcheck racecheck peer ab}; do
     tests) step 200 python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu_fp8.py tests/test_gpu_int8_pv.py \
         > "$OUT/pytest_8bit.log" 2>&1
       grep -E "^int8 N|passed|failed|^FAILED|^E  " "$OUT/pytest_8bit.log" | tail -30 ;;
-    memcheck|racecheck)
-      step 100 compute-sanitizer --tool "$part" --error-exitcode 9 python3 benchmarks/sanitizer_cases.py \
-        --kernels fp8,int8 --no-models > "$OUT/sanitize_$part.log" 2>&1
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|finite=False" "$OUT/sanitize_$part.log" | tail -3 ;;
+    memcheck|racecheck) for kernel in int8 fp8; do   # one kernel a run: racecheck over both passes 100 s
+        step 100 compute-sanitizer --tool "$part" --error-exitcode 9 python3 benchmarks/sanitizer_cases.py \
+          --kernels "$kernel" --no-models > "$OUT/sanitize_${part}_$kernel.log" 2>&1
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|finite=False" "$OUT/sanitize_${part}_$kernel.log" | tail -3
+      done ;;
     peer) step 200 python3 benchmarks/bench_8bit_peer.py --json "$OUT/${GPU}_8bit_peer.json" ;;
     ab) for pair in ${AB:-}; do
         step 100 python3 benchmarks/bench_ab.py --baseline "${pair%%=*}" --rows "${pair#*=}" \

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import re
@@ -71,7 +72,9 @@ def _builds(registry, pass_rows) -> list[tuple[object, str]]:
     dtypes = ("float32", "bfloat16", "float16")
     found = [v for spec in registry.KERNELS for v in registry.variants(spec)]
     found += [pass_rows.prologue_variant(d, i, o) for d in pass_rows.PROLOGUE.head_dims for i in dtypes for o in dtypes]
-    found += [pass_rows.split_variant(128), *(pass_rows.quantize_variant(128, i) for i in ("bfloat16", "float16"))]
+    schemes = [("0",), ("1",)] if "pv" in inspect.signature(pass_rows.quantize_variant).parameters else [()]
+    quantizers = [pass_rows.quantize_variant(128, i, *s) for i in ("bfloat16", "float16") for s in schemes]
+    found += [pass_rows.split_variant(128), *quantizers]
     builds = []
     for variant in found:
         builds.append((variant, variant.arch((9, 0))))

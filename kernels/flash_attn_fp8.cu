@@ -31,7 +31,7 @@
        q8, k8 : int8 [batch][num_heads][seq_q or seq_k][128] (tensor maps, box
                 128 x 1 x 128 x 1; rows past the window zero-filled)
        vt8    : E4M3 (F8_PV 0) or int8 (1) [batch][num_heads][128][k_pad], keys
-                permuted in 32-key chunks (pv_e4m3.cuh), k_pad = 128 * ceil(seq_k / 128),
+                permuted in 32-key chunks (q8_scores.cuh), k_pad = 128 * ceil(seq_k / 128),
                 zero past seq_k
        q_scale: f32 [batch * num_heads][ceil(seq_q / 64)] (F8_PV 0) or [seq_q] (1)
        k_scale: f32 [batch * num_heads][k_pad / 128]
@@ -76,7 +76,6 @@
 
 #define F8_TILE_BYTES (128 * 128)
 #define F8_ONES_BYTES 1024                   /* 8 rows of 128 ones: B of the row-sum wgmma */
-#define F8_MIN_FACTOR 1.17549435e-38f        /* the smallest normal f32: a factor never flushes to 0 (-inf * 0) */
 static_assert(F8_SMEM_BYTES == 1024 + (1 + 2 * F8_STAGES) * F8_TILE_BYTES + F8_ONES_BYTES + 8 * (1 + 4 * F8_STAGES),
               "F8_SMEM_BYTES disagrees with the kernel's Q | K stages | V^T stages | ones | mbarriers");
 static_assert(F8_SMEM_BYTES <= 227 * 1024, "F8_SMEM_BYTES exceeds sm_90's 227 KiB per block");
@@ -143,7 +142,7 @@ struct f8_rows {
 __device__ __forceinline__ void f8_scores_to_p(float* s, const f8_rows& r, pk_q8_rows& rows, pk_q8_step& step,
                                                unsigned int j)
 {
-    const float factor[2] = {fmaxf(r.qs[0] * r.ks[j], F8_MIN_FACTOR), fmaxf(r.qs[1] * r.ks[j], F8_MIN_FACTOR)};
+    const float factor[2] = {pk_q8_factor(r.qs[0], r.ks[j]), pk_q8_factor(r.qs[1], r.ks[j])};
     pk_q8_bias_scores(s, j * F8_BK, r.seq_k, r.t);
     f8_softmax(s, rows, step, factor);
 }

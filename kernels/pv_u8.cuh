@@ -9,10 +9,10 @@
    reference max, moves only when a tile's top passes it by more than F8_SLACK = 8 (w <= 256), so O is
    rescaled on few tiles. s32 -> f32 by I2FP (one instruction, exact below 2^24).
    out = O * step[d] / l + centre[d].
-   The FFMA's offset (top * factor - log2 255, top biased) is rounded to f32, which scales a row's codes
-   in the tile by 2^e, |e| <= ulp(offset) / 2: l scales alike, so only the tile's weight is off, by |e|
-   ln 2 (|e| <= 2^-9 while |offset| < 2^15, i.e. logits within +-2^15 log2 units of the bias); a top code
-   past 255.5 saturates to 255. P's key order in registers and in V^T: q8_scores.cuh. */
+   The FFMA's offset (top * factor - log2 255, top biased by 1.5 * 2^23) is rounded to f32, which scales a
+   row's codes in the tile by 2^e, |e| <= ulp(offset) / 2 <= 0.75 factor log2 units, under one unit of the
+   integer score: l scales alike, so only the tile's weight moves, by |e| ln 2; a top code rounded past
+   255.5 saturates to 255. P's key order in registers and in V^T: q8_scores.cuh. */
 
 #ifndef PICTOR_PV_U8_CUH
 #define PICTOR_PV_U8_CUH

@@ -6,6 +6,7 @@
    PK_Q8_BIAS_F, which the softmax removes inside its FFMA (or by one exact subtraction).
      pk_q8_bias_scores  s32 scores -> biased f32, keys past seq_k -> -inf
      pk_q8_row_max      the largest of one row's 32 scores in this thread's part of a 128-key tile
+     pk_q8_factor       a row's logit factor (q scale times k scale), NaN kept
      pk_q8_rows         a consumer thread's two rows across the key tiles (running max, sum, weight)
      pk_q8_step         what one tile's softmax hands to the promotion of the previous tile's P.V
      pk_q8_pack_p       a tile's P as 8-bit codes in the A-fragment order of the P.V wgmma
@@ -33,6 +34,15 @@ struct pk_q8_rows {
 struct pk_q8_step {
     float corr[2], w[2];
 };
+
+/* q_scale * k_scale, at least the smallest normal f32 (so a factor never flushes to 0: -inf * 0), NaN where
+   a scale is NaN (a NaN input: the prepass's scales carry it, and max.NaN keeps it, where fmaxf would not). */
+__device__ __forceinline__ float pk_q8_factor(float q_scale, float k_scale)
+{
+    float factor;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(factor) : "f"(q_scale * k_scale), "f"(1.17549435e-38f));
+    return factor;
+}
 
 /* A tile's P (64 floats in the accumulator layout) as 8-bit codes in the A-fragment order: register
    4j + r of 32-key chunk j holds row g (r = 0, 2) or g + 8 (r = 1, 3) of n8 tiles 4j + (r >> 1) * 2 and the

@@ -12,11 +12,10 @@
        plane's keys maps to 448); (QZ_PV 1): int8 about each channel's
        mid-range, round((v - centre) / step), centre = max / 2 + min / 2, step =
        (max / 2 - min / 2) / 127 (halves first: no f32 overflow); written
-       transposed (V^T) with each 32-key chunk in
-       the key order flash_attn_fp8.cu's P registers have (logical L = 16 h +
-       4 t + e holds key 16 h + 8 (e >> 1) + 2 t + (e & 1)), zero past seq_k.
+       transposed (V^T) with each 32-key chunk in the key order the 8-bit
+       kernel's P registers have (q8_scores.cuh), zero past seq_k.
    Absmax values are floored at 2^-43, so an all-zero block gets a tiny
-   normal scale (codes 0). With key counts (key_lens, batch b = plane / heads
+   normal scale (codes 0); a NaN input makes its block's or channel's scale NaN. With key counts (key_lens, batch b = plane / heads
    attends its first min(key_lens[b], seq_k) keys) only those keys enter mu,
    the maxima and the codes; later keys are zero in V^T (P is 0 there).
    Two launches of this entry, deterministic (fixed reduction order):
@@ -31,7 +30,8 @@
        phase 1 grid = (batch * num_heads, max(ceil(seq_q / 128), ceil(seq_k / 128)), 1)
        block = QZ_THREADS = 256: thread i holds channels 8 (i % 16) .. + 7 of
        rows i / 16, + 16, ... (q: rows i % 128 / 16, + 8, ... of 64-row block i / 128)
-       static shared memory: 33,824 bytes (the staged v tile, mu, 448 / vmax, a reduction's scratch)
+       static shared memory: 33,824 (QZ_PV 0) or 34,336 (1) bytes: the staged v tile, mu, V's scales
+       (448 / vmax; or step and centre), a reduction's scratch
    Layout (a window of rows: q, k, v offset to its first row; pitches are the
    full tensors' row counts, k_pad = 128 ceil(seq_k / 128)):
        q, k, v : 16-bit [batch * num_heads][q_pitch or kv_pitch][128]
@@ -63,6 +63,15 @@
 #define QZ_STAT_ROWS 4   /* phase 0: rows per thread whose loads are in flight together */
 #define QZ_FLOOR 1.1368683772161603e-13f   /* 2^-43 */
 #define QZ_NEG_INF (-__int_as_float(0x7f800000))
+
+/* max(a, b), NaN where either is (fmaxf drops a NaN): a NaN input reaches its block's or channel's scale,
+   so the kernels' outputs there are NaN, as torch's, not finite over codes of 0. */
+__device__ __forceinline__ float qz_max(float a, float b)
+{
+    float m;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+    return m;
+}
 
 /* One 16-bit value as f32. */
 __device__ __forceinline__ void qz_load1(unsigned short bits, float& x)
@@ -120,7 +129,7 @@ __device__ __forceinline__ float qz_rows(const unsigned short* plane_rows, unsig
         float x[8];
         qz_unpack8(raw[u], x);
         #pragma unroll
-        for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(shift == nullptr ? x[e] : x[e] - shift[8 * cg + e]));
+        for (int e = 0; e < 8; e++) amax = qz_max(amax, fabsf(shift == nullptr ? x[e] : x[e] - shift[8 * cg + e]));
     }
     return amax;
 }
@@ -145,11 +154,11 @@ __device__ __forceinline__ void qz_store_rows(unsigned char* dst, const uint4* r
 __device__ __forceinline__ float qz_group_max(float x, float* red, unsigned int first, unsigned int warps)
 {
     #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    for (int offset = 16; offset > 0; offset >>= 1) x = qz_max(x, __shfl_xor_sync(0xffffffffu, x, offset));
     if ((threadIdx.x & 31u) == 0) red[threadIdx.x / 32] = x;
     __syncthreads();
     float m = 0.f;
-    for (unsigned int w = 0; w < warps; w++) m = fmaxf(m, red[first / 32 + w]);
+    for (unsigned int w = 0; w < warps; w++) m = qz_max(m, red[first / 32 + w]);
     __syncthreads();
     return m;
 }
@@ -190,8 +199,8 @@ __device__ void qz_stats(const unsigned short* k, const unsigned short* v, float
             qz_unpack8(v_rows[i], x);
             #pragma unroll
             for (int e = 0; e < 8; e++) {
-                vmax[e] = fmaxf(vmax[e], QZ_PV ? x[e] : fabsf(x[e]));
-                vneg[e] = fmaxf(vneg[e], -x[e]);
+                vmax[e] = qz_max(vmax[e], QZ_PV ? x[e] : fabsf(x[e]));
+                vneg[e] = qz_max(vneg[e], -x[e]);
             }
         }
     }
@@ -205,7 +214,7 @@ __device__ void qz_stats(const unsigned short* k, const unsigned short* v, float
             float total = stat == 0 || !QZ_PV ? 0.f : QZ_NEG_INF;
             for (int r = 0; r < 16; r++) {
                 const float x = red[r * QZ_D + threadIdx.x];
-                total = stat == 0 ? total + x : fmaxf(total, x);
+                total = stat == 0 ? total + x : qz_max(total, x);
             }
             partial[stat * second + out + threadIdx.x] = total;
         }
@@ -243,10 +252,10 @@ __device__ __forceinline__ void qz_row_scales(const uint4* raw, float* scale_row
         float x[8], amax = 0.f;
         qz_unpack8(raw[u], x);
         #pragma unroll
-        for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(x[e]));
+        for (int e = 0; e < 8; e++) amax = qz_max(amax, fabsf(x[e]));
         #pragma unroll
-        for (int offset = 8; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        amax = fmaxf(amax, QZ_FLOOR);
+        for (int offset = 8; offset > 0; offset >>= 1) amax = qz_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        amax = qz_max(amax, QZ_FLOOR);
         const unsigned int row = row0 + step * u;
         if (cg == 0 && row < count) scale_rows[row] = amax / 127.f * scale_log2;
         inv[u] = 127.f / amax;
@@ -265,7 +274,7 @@ __device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_sc
     qz_row_shift(raw, mu, q_shift + (unsigned long long)plane * seq_q, row0, 8, seq_q, cg, scale_log2);
     float inv[8];
 #if QZ_PV == 0
-    amax = fmaxf(qz_group_max(amax, red, half * 128, 4), QZ_FLOOR);
+    amax = qz_max(qz_group_max(amax, red, half * 128, 4), QZ_FLOOR);
     const unsigned int q_blocks = (seq_q + 63) / 64, block = blockIdx.y * 2 + half;
     if (block >= q_blocks) return;
     if (threadIdx.x % 128 == 0) q_scale[(unsigned long long)plane * q_blocks + block] = amax / 127.f * scale_log2;
@@ -285,7 +294,7 @@ __device__ void qz_key(const unsigned short* k, unsigned char* k8, float* k_scal
     const unsigned int row0 = blockIdx.y * QZ_TILE + threadIdx.x / 16;
     uint4 raw[8];
     float amax = qz_rows(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, keys, cg, mu, raw);
-    amax = fmaxf(qz_group_max(amax, red, 0, 8), QZ_FLOOR);
+    amax = qz_max(qz_group_max(amax, red, 0, 8), QZ_FLOOR);
     const unsigned int k_tiles = (seq_k + QZ_TILE - 1) / QZ_TILE;
     if (threadIdx.x == 0) k_scale[(unsigned long long)plane * k_tiles + blockIdx.y] = amax / 127.f;
     float inv[8];
@@ -365,17 +374,17 @@ __device__ __forceinline__ void qz_value_scales(const float* mine, unsigned long
 {
     float top = QZ_PV ? QZ_NEG_INF : 0.f, bottom = QZ_NEG_INF;
     for (int c = 0; c < QZ_CHUNKS; c++) {
-        top = fmaxf(top, mine[c * QZ_D]);
-        if (QZ_PV) bottom = fmaxf(bottom, mine[second + c * QZ_D]);
+        top = qz_max(top, mine[c * QZ_D]);
+        if (QZ_PV) bottom = qz_max(bottom, mine[second + c * QZ_D]);
     }
 #if QZ_PV == 0
-    const float vmax = fmaxf(top, QZ_FLOOR);
+    const float vmax = qz_max(top, QZ_FLOOR);
     va[d] = 448.f / vmax;
     if (blockIdx.y == 0) v_scale[(unsigned long long)blockIdx.x * QZ_D + d] = vmax / 448.f;
 #else
     const bool none = top == QZ_NEG_INF;   /* no keys: max v = max -v = -inf */
     const float high = none ? 0.f : top / 2, low = none ? 0.f : -bottom / 2;
-    va[d] = fmaxf(high - low, QZ_FLOOR) / 127.f;
+    va[d] = qz_max(high - low, QZ_FLOOR) / 127.f;
     vb[d] = high + low;
     if (blockIdx.y == 0) {
         v_scale[(unsigned long long)blockIdx.x * 2 * QZ_D + d] = va[d];

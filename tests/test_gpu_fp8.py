@@ -36,11 +36,12 @@ DTYPES = [torch.bfloat16, torch.float16]
 KERNELS = ["fp8", "int8"]
 # (B, H, Nq, Nk): FLUX.2 at 512² / 1024²; odd sizes, not multiples of the 64-row q blocks or 128-key tiles; Nq != Nk.
 SHAPES = [(1, 24, 4608, 4608), (2, 3, 1536, 1536), (2, 3, 77, 77), (1, 4, 1000, 4097), (2, 2, 300, 129), (1, 2, 1, 1)]
-TWIN_REL_L2 = 8e-3
+TWIN_REL_L2 = {"fp8": 8e-3, "int8": 3e-3}
 """Kernel vs twin: the same quantisation, so only exp2's approximation, f32 summation order, the P codes it
-flips at rounding ties and the FP8 wgmma's ~14-bit adds within a key tile differ (measured on the H200 with
-the twin's one-division quantisers: 1.7e-3 to 2.2e-3 at 4608 and 16896 keys; 3.5e-3 to 4.1e-3 while the twin
-divided twice; 8.4e-2 and 0.26 on v_offset before P.V was promoted per tile)."""
+flips at rounding ties and (fp8) the FP8 wgmma's ~14-bit adds within a key tile differ. fp8, measured on the
+H200 with the twin's one-division quantisers: 1.7e-3 to 2.2e-3 at 4608 and 16896 keys (3.5e-3 to 4.1e-3 while
+the twin divided twice; 8.4e-2 and 0.26 on v_offset before P.V was promoted per tile). int8 (exact integer
+P.V), on an H100: 1.6e-3 to 1.7e-3 with bf16 outputs, 4.4e-4 to 5.4e-4 with fp16 (the output's rounding)."""
 FLOAT64_COS, FLOAT64_REL_L1 = 0.998, 0.06
 LOG2E = 1.0 / math.log(2.0)
 
@@ -82,7 +83,7 @@ def test_kernel_against_twin_and_float64(shape: tuple[int, int, int, int], dtype
     twin_gap = error_metrics(out, twin)["rel_l2"]
     exact = error_metrics(out, attention_float64(q, k, v))
     print(f"{kernel} {_id(shape)} {_id(dtype)}: vs twin rel_l2 {twin_gap:.2e}; vs float64 {exact}")
-    assert twin_gap <= TWIN_REL_L2
+    assert twin_gap <= TWIN_REL_L2[kernel]
     if shape[3] > 1:  # one key: the output is v itself, up to E4M3 rounding of v
         assert exact["cos"] >= FLOAT64_COS and exact["rel_l1"] <= FLOAT64_REL_L1
 
@@ -105,7 +106,7 @@ def test_lse_against_float64_and_twin(dtype: torch.dtype, kernel: str) -> None:
     exact_gap, twin_gap = (lse.double() - lse_float64(q, k)).abs().max().item(), (lse - twin_lse).abs().max().item()
     out_gap = error_metrics(out.double(), twin_out.double())["rel_l2"]
     print(f"{kernel} LSE {_id(dtype)}: vs float64 {exact_gap:.2e}, vs twin {twin_gap:.2e}; out vs twin {out_gap:.2e}")
-    assert exact_gap <= 2e-2 and twin_gap <= 5e-3 and out_gap <= TWIN_REL_L2
+    assert exact_gap <= 2e-2 and twin_gap <= 5e-3 and out_gap <= TWIN_REL_L2[kernel]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -120,7 +121,7 @@ def test_v_offset_against_float64_and_twin(seq: int, kernel: str) -> None:
     twin_gap = error_metrics(out, kernel_twin(q, k, v, 128**-0.5, kernel=kernel).double())["rel_l2"]
     exact_gap = error_metrics(out, attention_float64(q, k, v))["rel_l2"]
     print(f"{kernel} v_offset N{seq}: vs twin rel_l2 {twin_gap:.2e}, vs float64 {exact_gap:.2e}")
-    assert twin_gap <= TWIN_REL_L2 and exact_gap <= 1e-2
+    assert twin_gap <= TWIN_REL_L2[kernel] and exact_gap <= 1e-2
 
 
 def test_prepass_matches_torch_quantisers() -> None:
@@ -130,9 +131,9 @@ def test_prepass_matches_torch_quantisers() -> None:
     skip_unless_runs(q, k, v)
     scale_log2 = 128**-0.5 * LOG2E
     geometry = Geometry(batch * heads, seq_q, seq_k, seq_q, seq_k, 128, q.dtype, heads, scale_log2)
-    function = nvrtc.function(quantize_variant(128, "bfloat16"), q.device.index)
-    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index, function)
-    layout = workspace_layout(batch * heads, seq_q, seq_k)
+    function = nvrtc.function(quantize_variant(128, "bfloat16", "0"), q.device.index)
+    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index, function, "0")
+    layout = workspace_layout(batch * heads, seq_q, seq_k, 128, "0")
 
     def part(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         offset, size = layout[name]
@@ -167,12 +168,13 @@ def test_prepass_matches_torch_quantisers() -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_key_lens(dtype: torch.dtype, kernel: str) -> None:
-    """Keys past a batch's count are NaN here: they must enter neither K's mean nor any scale or code."""
+    """Keys past a batch's count hold NaN in k and 1e4 in v here: they must enter neither K's mean nor any scale,
+    statistic or code (a 1e4 in V's range would coarsen every V code of the channel)."""
     counts = [1000, 0, 129]
     q, k, v = qkv((3, 2, 77, 1000), dtype, seed=13)
     for b, count in enumerate(counts):
         k[b, :, count:] = float("nan")
-        v[b, :, count:] = float("nan")
+        v[b, :, count:] = 1e4
     skip_unless_runs(q, k, v, kernel=kernel)
     key_lens = torch.tensor(counts, dtype=torch.int32, device=q.device)
     lse = torch.full((3, 77, 2), float("nan"), device=q.device)
@@ -184,7 +186,7 @@ def test_key_lens(dtype: torch.dtype, kernel: str) -> None:
         exact = attention_float64(q[b : b + 1], k[b : b + 1, :, : counts[b]], v[b : b + 1, :, : counts[b]])
         metrics = error_metrics(out[b : b + 1], exact)
         assert metrics["cos"] >= FLOAT64_COS and metrics["rel_l1"] <= FLOAT64_REL_L1, (b, metrics)
-        assert error_metrics(out[b : b + 1], twin[b : b + 1])["rel_l2"] <= TWIN_REL_L2
+        assert error_metrics(out[b : b + 1], twin[b : b + 1])["rel_l2"] <= TWIN_REL_L2[kernel]
         assert torch.isfinite(lse[b]).all()
 
 
@@ -233,3 +235,17 @@ def test_pictor_attn_fp8_eager_and_compiled(monkeypatch: pytest.MonkeyPatch, ker
     compiled = torch.compile(model, fullgraph=True)(**inputs)[0]
     assert calls[0] == 2 * (model.config.num_layers + model.config.num_single_layers), "compiled: not the fp8 kernel"
     assert ((compiled.double() - eager.double()).norm() / eager.double().norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_inputs_give_nan_outputs(kernel: str) -> None:
+    """A NaN in q makes its row NaN, one in v its channel (every row), as in torch; never a finite result over
+    codes of 0 (the prepass's scales carry the NaN: max.NaN, not fmaxf). Other heads stay finite."""
+    q, k, v = qkv((1, 3, 300, 400), torch.bfloat16, seed=29)
+    q[0, 0, 17, 5] = float("nan")
+    v[0, 1, 123, 9] = float("nan")
+    skip_unless_runs(q, k, v, kernel=kernel)
+    out = poisoned_call(q, k, v, kernel).float()
+    assert torch.isnan(out[0, 17, :128]).all(), "a NaN in q must make its row NaN"
+    assert torch.isnan(out[0, :, 128 + 9]).all(), "a NaN in v must make its channel NaN"
+    assert torch.isfinite(out[0, :, 256:]).all(), "a head without NaN inputs must stay finite"

@@ -42,12 +42,13 @@ def test_prepass_matches_torch_quantisers(seq_q: int, seq_k: int) -> None:
     batch, heads = 2, 3
     q, k, v = qkv((batch, heads, seq_q, seq_k), torch.bfloat16, seed=seq_q + seq_k)
     k, v = k + 3.0, v * 4.0 - 2.0  # an offset for smoothing; V off centre
+    v[..., :32] += 20.0  # channels with no value near 0: phase 0's rows past a chunk must not count as zeros
     skip_unless_runs(q, k, v, kernel="int8")
     scale_log2 = 128**-0.5 * LOG2E
     geometry = Geometry(batch * heads, seq_q, seq_k, seq_q, seq_k, 128, q.dtype, heads, scale_log2)
     function = nvrtc.function(quantize_variant(128, "bfloat16", "1"), q.device.index)
-    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index, function, pv="1")
-    layout = workspace_layout(batch * heads, seq_q, seq_k, pv="1")
+    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index, function, "1")
+    layout = workspace_layout(batch * heads, seq_q, seq_k, 128, "1")
 
     def part(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         offset, size = layout[name]
@@ -102,10 +103,10 @@ def test_v_scale_range_and_zero_plane() -> None:
     assert metrics["cos"] >= COS_TARGET, metrics
 
 
-def test_large_logits_take_the_exact_codes() -> None:
-    """q and k x6 in head 0 (logits ~N(0, 36^2): the FFMA offset passes 2^15, so rows take the exact form
-    2^((s - top) factor + log2 255)) beside a normal head 1, in one launch: both heads within the twin's
-    rounding (a top code rounded to 256 would wrap to 0 and drop the row's largest key)."""
+def test_large_logits_keep_their_codes() -> None:
+    """q and k x6 in head 0 (logits ~N(0, 36^2): the softmax FFMA's offset, top * factor, passes 5e4) beside a
+    normal head 1, in one launch: both heads within the twin's rounding (the saturating u8 pack keeps a top
+    code at 255; the offset's own rounding, under one unit of the integer score, only moves the tile weight)."""
     q, k, v = qkv((1, 2, 300, 1000), torch.bfloat16, seed=43)
     q[:, 0], k[:, 0] = q[:, 0] * 6, k[:, 0] * 6
     skip_unless_runs(q, k, v, kernel="int8")
@@ -113,4 +114,6 @@ def test_large_logits_take_the_exact_codes() -> None:
     twin = kernel_twin(q, k, v, 128**-0.5, kernel="int8").double()
     for head in (0, 1):
         columns = slice(128 * head, 128 * head + 128)
-        assert error_metrics(out[..., columns], twin[..., columns])["rel_l2"] <= TWIN_REL_L2, head
+        gap = error_metrics(out[..., columns], twin[..., columns])["rel_l2"]
+        print(f"int8 large logits, head {head}: vs twin rel_l2 {gap:.2e}")
+        assert gap <= TWIN_REL_L2["fp8"], head  # peaky rows: one key's exp2 difference is most of the row

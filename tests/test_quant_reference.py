@@ -381,6 +381,7 @@ def test_int8_kernel_twin_runs_the_u8_scheme() -> None:
     want_out, want_lse = int8_fp8_attention(q, k, v, scale, return_lse=True, **INT8_PV_SCHEME)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     out = kernel_twin(q, k, v, scale, key_lens=torch.tensor([600, 300]), kernel="int8")
+    assert torch.equal(out[:1], int8_fp8_attention(q[:1], k[:1], v[:1], scale, **INT8_PV_SCHEME))
     want = int8_fp8_attention(q[1:], k[1:, :, :300], v[1:, :, :300], scale, **INT8_PV_SCHEME)
     assert torch.equal(out[1:], want)
     assert not torch.equal(out, kernel_twin(q, k, v, scale, key_lens=torch.tensor([600, 300])))

@@ -18,20 +18,23 @@ def _id(shape: tuple[int, int, int, int]) -> str:
     return "B{}-H{}-Nq{}-Nk{}".format(*shape)
 
 
+@pytest.mark.parametrize("pv", quantized.PV_SCHEMES)
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_workspace_parts_are_aligned_sized_and_disjoint(shape: tuple[int, int, int, int]) -> None:
+def test_workspace_parts_are_aligned_sized_and_disjoint(shape: tuple[int, int, int, int], pv: str) -> None:
+    """Scheme "0" (E4M3 V): q scales per 64 rows, one V scale per channel, two phase-0 statistics; "1" (int8 V):
+    q scales per row, a step and a centre per channel, three statistics."""
     batch, heads, seq_q, seq_k = shape
-    planes, k_pad = batch * heads, -(-seq_k // 128) * 128
-    layout = quantized.workspace_layout(planes, seq_q, seq_k)
+    planes, k_pad, u8 = batch * heads, -(-seq_k // 128) * 128, pv == "1"
+    layout = quantized.workspace_layout(planes, seq_q, seq_k, 128, pv)
     expected = {
         "q8": planes * seq_q * 128,
         "k8": planes * seq_k * 128,
         "vt8": planes * 128 * k_pad,
-        "q_scale": 4 * planes * -(-seq_q // 64),
+        "q_scale": 4 * planes * (seq_q if u8 else -(-seq_q // 64)),
         "k_scale": 4 * planes * (k_pad // 128),
-        "v_scale": 4 * planes * 128,
+        "v_scale": 4 * planes * 128 * (2 if u8 else 1),
         "q_shift": 4 * planes * seq_q,
-        "partial": 4 * 2 * planes * quantized.CHUNKS * 128,
+        "partial": 4 * (3 if u8 else 2) * planes * quantized.CHUNKS * 128,
     }
     assert {name: size for name, (_, size) in layout.items()} == expected
     spans = sorted(layout.values())
@@ -57,3 +60,12 @@ def test_code_maps_describe_the_prepass_layout(
     assert vt_map == tensor_maps.Planes(at["vt8"], heads, 128, batch, 128 * k_pad, k_pad, heads * 128 * k_pad)
     for planes in (q_map, k_map, vt_map):
         assert all(stride % 16 == 0 for stride in planes[4:]), f"byte strides must be multiples of 16: {planes}"
+
+
+def test_unknown_scheme_is_refused() -> None:
+    from pictor_diffusers.cuda.pass_rows import quantize_variant
+
+    with pytest.raises(ValueError, match="'2'"):
+        quantized.workspace_layout(1, 10, 10, 128, "2")
+    with pytest.raises(ValueError, match="'2'"):
+        quantize_variant(128, "bfloat16", "2")

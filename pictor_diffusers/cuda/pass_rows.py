@@ -91,10 +91,13 @@ channel's mid-range (a step and a centre per channel)."""
 
 
 @functools.cache
-def quantize_variant(head_dim: int, in_dtype: str, pv: str = "0") -> Variant:
+def quantize_variant(head_dim: int, in_dtype: str, pv: str) -> Variant:
     """The quantising prepass build for `head_dim` (128), `in_dtype` (bfloat16 or float16) inputs and the
     8-bit kernel's P.V scheme `pv` (its geometry's "PV": "0" E4M3, "1" u8 x int8)."""
-    return Variant(QUANTIZE if pv == "0" else QUANTIZE_U8, head_dim, in_dtype, "int8")
+    rows = {"0": QUANTIZE, "1": QUANTIZE_U8}
+    if pv not in rows:
+        raise ValueError(f"pv must be one of {tuple(rows)}, got {pv!r}")
+    return Variant(rows[pv], head_dim, in_dtype, "int8")
 
 
 @functools.cache

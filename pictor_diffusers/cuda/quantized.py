@@ -28,17 +28,19 @@ from .geometry import Geometry
 from .pass_rows import QUANTIZE
 
 TILE, Q_BLOCK = 128, 64
+PV_SCHEMES = ("0", "1")
+"""The P.V schemes (the 8-bit rows' geometry "PV"): "0" E4M3 (the "fp8" kernel), "1" u8 x int8 ("int8")."""
 CHUNKS = int(QUANTIZE.geometry["CHUNKS"])
 _ALIGN = 256
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 _SIGNATURE = (_U64,) * 12 + (_U32,) * 5 + (_F32, _U32)
 
 
-def workspace_layout(
-    planes: int, q_count: int, k_count: int, head_dim: int = 128, pv: str = "0"
-) -> dict[str, tuple[int, int]]:
-    """name -> (byte offset, byte size) of each prepass output in the workspace of P.V scheme `pv`, each
-    256-byte aligned."""
+def workspace_layout(planes: int, q_count: int, k_count: int, head_dim: int, pv: str) -> dict[str, tuple[int, int]]:
+    """name -> (byte offset, byte size) of each prepass output in the workspace of P.V scheme `pv` (one of
+    `PV_SCHEMES`), each 256-byte aligned."""
+    if pv not in PV_SCHEMES:
+        raise ValueError(f"pv must be one of {PV_SCHEMES}, got {pv!r}")
     k_tiles, u8 = -(-k_count // TILE), pv == "1"
     sizes = {
         "q8": planes * q_count * head_dim,
@@ -58,7 +60,7 @@ def workspace_layout(
 
 
 def quantize(
-    pointers: tuple[int, int, int], g: Geometry, device_index: int, function: int, key_lens: int = 0, pv: str = "0"
+    pointers: tuple[int, int, int], g: Geometry, device_index: int, function: int, pv: str, key_lens: int = 0
 ) -> tuple[torch.Tensor, dict[str, int]]:
     """Run the prepass (`function`: its loaded `CUfunction` handle, `pass_rows.quantize_variant`'s for P.V
     scheme `pv`) on the window's q, k, v (`pointers`, `g`; `key_lens`: the address of per-batch key counts, or
@@ -93,12 +95,12 @@ def _code_maps(at: dict[str, int], g: Geometry) -> list[tuple[ctypes.Array, int]
 
 
 def quantized_operands(
-    pointers: tuple[int, ...], g: Geometry, device_index: int, function: int, pv: str = "0"
+    pointers: tuple[int, ...], g: Geometry, device_index: int, function: int, pv: str
 ) -> tuple[tuple[Any, ...], object]:
     """(operand values, what must stay referenced until the launch) of the "quantized" operand kind in P.V
     scheme `pv`, from the window's (q, k, v, out, lse, key_lens) addresses: the prepass (`function`), then maps
     of its codes."""
-    workspace, at = quantize(pointers[:3], g, device_index, function, key_lens=pointers[5], pv=pv)
+    workspace, at = quantize(pointers[:3], g, device_index, function, pv, key_lens=pointers[5])
     maps = _code_maps(at, g)
     addresses = tuple(address for _, address in maps)
     scales = (at["q_scale"], at["k_scale"], at["v_scale"], at["q_shift"])

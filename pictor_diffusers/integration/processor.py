@@ -43,8 +43,8 @@ class PictorAttn:
             the scalar-FP32 kernel otherwise), "fp16x3", "tf32x3" or "f32"
             (the reference). For "bf16"/"fp16": "auto"
             (wgmma on Hopper, mma.sync elsewhere), "wgmma" or "mma16". For
-            "fp8": "auto" (the "fp8" kernel), "fp8" (E4M3 P.V) or "int8" (u8 x int8 P.V: less error,
-            see the README's precision contract). For "auto": "auto" only.
+            "fp8": "auto" or "int8" (u8 x int8 P.V), or "fp8" (E4M3 P.V: 2.5x the error, a few percent
+            faster; see the README's precision contract). For "auto": "auto" only.
         precision: "fp32" (parity, default), "bf16", "fp16", "fp8" or "auto"
             (the model's 16-bit dtype where it has one); see `pictor_diffusers.integration.precision`.
 

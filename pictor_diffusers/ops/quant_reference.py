@@ -22,7 +22,7 @@ What the kernel does, tile by tile, emulated in float32:
   metrics: `pictor_diffusers.testing.quant_study`): V smoothing, a per-row P
   scale, a 14-bit wgmma accumulator (`pv_accum_bits`, truncated per k32 step: milder than measured; with
   `pv_promote=False` over all tiles, as the kernel did before it promoted per tile), FP8 Q/K, bf16 P·V, int8
-  P·V (`INT8_PV_SCHEME`: the design for the next kernel), finer Q/K scale blocks, the exact row sum and no slack.
+  P·V (`INT8_PV_SCHEME`: the "int8" kernel's scheme), finer Q/K scale blocks, the exact row sum and no slack.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _tile_pv(p: torch.Tensor, v: torch.Tensor, accum_bits: int | None, total: to
 def _round_p(p: torch.Tensor, pv_format: str) -> torch.Tensor:
     """P, already scaled to its code range, rounded as `pv_format` stores it, back in float32."""
     if pv_format == "int8":
-        return torch.round(p)  # u8 codes: p <= 255, ties to even as the kernel's 2^23 addition
+        return torch.round(p)  # u8 codes: p <= 255, ties to even as the kernel's cvt.rni (F2IP)
     return to_e4m3(p).float() if pv_format == "fp8" else p.bfloat16().float()
 
 
