@@ -7,7 +7,8 @@
      tile_schedule.cuh  any arch: the work tiles of an attention launch and which block runs each
      epilogue.cuh       any arch: a warpgroup's finished rows, rounded; their log-sum-exp stored
      softmax.cuh        any arch: the online softmax on mma.sync / wgmma accumulator tiles, the LSE
-     q8_scores.cuh      any arch: the 8-bit kernel's s32 scores as biased f32, its per-row state
+     quant_rows.cuh     sm_80+: 16-bit rows to int8 codes and NaN-keeping maxima (quantize_qkv8.cu)
+     q8_scores.cuh      sm_80+: the 8-bit kernel's s32 scores as biased f32, its per-row state
      pv_e4m3.cuh        sm_90a: the 8-bit kernel's P.V on FP8 E4M3 (softmax, P packing, promotion)
      pv_u8.cuh          sm_90a: the 8-bit kernel's P.V on u8 P and int8 V (the same functions)
      fp16_split.cuh     any arch: f32 -> scaled float16 hi + lo (split_fp16x2.cu, qkv_prologue_split.cu,

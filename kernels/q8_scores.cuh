@@ -19,6 +19,7 @@
 #ifndef PICTOR_Q8_SCORES_CUH
 #define PICTOR_Q8_SCORES_CUH
 
+#include "quant_rows.cuh"
 #include "softmax.cuh"
 
 #define PK_Q8_BIAS 0x4B400000
@@ -39,9 +40,7 @@ struct pk_q8_step {
    a scale is NaN (a NaN input: the prepass's scales carry it, and max.NaN keeps it, where fmaxf would not). */
 __device__ __forceinline__ float pk_q8_factor(float q_scale, float k_scale)
 {
-    float factor;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(factor) : "f"(q_scale * k_scale), "f"(1.17549435e-38f));
-    return factor;
+    return pk_max_nan(q_scale * k_scale, 1.17549435e-38f);
 }
 
 /* A tile's P (64 floats in the accumulator layout) as 8-bit codes in the A-fragment order: register

@@ -59,109 +59,12 @@
 #error "QZ_IN_KIND must be 1 (bfloat16) or 2 (float16)"
 #endif
 
+#include "quant_rows.cuh"
+
 #define QZ_TILE 128
 #define QZ_STAT_ROWS 4   /* phase 0: rows per thread whose loads are in flight together */
 #define QZ_FLOOR 1.1368683772161603e-13f   /* 2^-43 */
 #define QZ_NEG_INF (-__int_as_float(0x7f800000))
-
-/* max(a, b), NaN where either is (fmaxf drops a NaN): a NaN input reaches its block's or channel's scale,
-   so the kernels' outputs there are NaN, as torch's, not finite over codes of 0. */
-__device__ __forceinline__ float qz_max(float a, float b)
-{
-    float m;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
-    return m;
-}
-
-/* One 16-bit value as f32. */
-__device__ __forceinline__ void qz_load1(unsigned short bits, float& x)
-{
-#if QZ_IN_KIND == 1
-    x = __uint_as_float((unsigned int)bits << 16);
-#else
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(bits));
-#endif
-}
-
-/* Eight 16-bit values (one 16-byte word) as f32. */
-__device__ __forceinline__ void qz_unpack8(uint4 raw, float* x)
-{
-    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int i = 0; i < 4; i++) {
-#if QZ_IN_KIND == 1
-        x[2 * i] = __uint_as_float(words[i] << 16);
-        x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-#else
-        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i]) : "h"((unsigned short)(words[i] & 0xffffu)));
-        asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * i + 1]) : "h"((unsigned short)(words[i] >> 16)));
-#endif
-    }
-}
-
-/* Eight f32 to int8 codes x * inv (nearest, ties to even, saturated at +-127), packed little-endian. */
-__device__ __forceinline__ uint2 qz_int8x8(const float* x, float inv)
-{
-    unsigned int words[2] = {0u, 0u};
-    #pragma unroll
-    for (int e = 0; e < 8; e++) {
-        const int code = max(-127, min(127, __float2int_rn(x[e] * inv)));
-        words[e / 4] |= (unsigned int)(code & 0xff) << (8 * (e % 4));
-    }
-    return make_uint2(words[0], words[1]);
-}
-
-/* A thread's eight rows row0 + step u of a block (16-byte words of channels 8 cg.., zero at rows >= count),
-   kept packed, and their absmax after subtracting `shift` (null: none) from each channel. */
-__device__ __forceinline__ float qz_rows(const unsigned short* plane_rows, unsigned int row0, unsigned int step,
-                                         unsigned int count, unsigned int cg, const float* shift, uint4* raw)
-{
-    #pragma unroll
-    for (int u = 0; u < 8; u++) {   /* all eight loads in flight before the first use */
-        const unsigned int row = row0 + step * u;
-        raw[u] = row < count ? *(const uint4*)(plane_rows + (unsigned long long)row * QZ_D + 8 * cg)
-                             : make_uint4(0u, 0u, 0u, 0u);
-    }
-    float amax = 0.f;
-    #pragma unroll
-    for (int u = 0; u < 8; u++) {
-        if (row0 + step * u >= count) continue;
-        float x[8];
-        qz_unpack8(raw[u], x);
-        #pragma unroll
-        for (int e = 0; e < 8; e++) amax = qz_max(amax, fabsf(shift == nullptr ? x[e] : x[e] - shift[8 * cg + e]));
-    }
-    return amax;
-}
-
-/* The int8 codes of those rows (x - shift) * inv[u], to dst (rows >= count skipped). */
-__device__ __forceinline__ void qz_store_rows(unsigned char* dst, const uint4* raw, unsigned int row0, unsigned int step,
-                                              unsigned int count, unsigned int cg, const float* shift, const float* inv)
-{
-    #pragma unroll
-    for (int u = 0; u < 8; u++) {
-        const unsigned int row = row0 + step * u;
-        if (row >= count) continue;
-        float x[8];
-        qz_unpack8(raw[u], x);
-        #pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = shift == nullptr ? x[e] : x[e] - shift[8 * cg + e];
-        *(uint2*)(dst + (unsigned long long)row * QZ_D + 8 * cg) = qz_int8x8(x, inv[u]);
-    }
-}
-
-/* Max over the block's threads [first, first + 32 * warps) of x (>= 0); `red`: shared scratch of 8 floats. */
-__device__ __forceinline__ float qz_group_max(float x, float* red, unsigned int first, unsigned int warps)
-{
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) x = qz_max(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    if ((threadIdx.x & 31u) == 0) red[threadIdx.x / 32] = x;
-    __syncthreads();
-    float m = 0.f;
-    for (unsigned int w = 0; w < warps; w++) m = qz_max(m, red[first / 32 + w]);
-    __syncthreads();
-    return m;
-}
 
 #define QZ_STATS (2 + QZ_PV)   /* phase 0's statistics: sum k, max |v| (QZ_PV 0) or max v, max -v (1) */
 
@@ -192,15 +95,15 @@ __device__ void qz_stats(const unsigned short* k, const unsigned short* v, float
         #pragma unroll
         for (int i = 0; i < QZ_STAT_ROWS; i++) {   /* the thread's rows in increasing order; zero rows add 0 */
             float x[8];
-            qz_unpack8(k_rows[i], x);
+            pk_unpack8<QZ_IN_KIND>(k_rows[i], x);
             #pragma unroll
             for (int e = 0; e < 8; e++) sum[e] += x[e];
             if (QZ_PV && base + 16 * i >= stop) continue;   /* a zero row would move max v and max -v */
-            qz_unpack8(v_rows[i], x);
+            pk_unpack8<QZ_IN_KIND>(v_rows[i], x);
             #pragma unroll
             for (int e = 0; e < 8; e++) {
-                vmax[e] = qz_max(vmax[e], QZ_PV ? x[e] : fabsf(x[e]));
-                vneg[e] = qz_max(vneg[e], -x[e]);
+                vmax[e] = pk_max_nan(vmax[e], QZ_PV ? x[e] : fabsf(x[e]));
+                vneg[e] = pk_max_nan(vneg[e], -x[e]);
             }
         }
     }
@@ -214,7 +117,7 @@ __device__ void qz_stats(const unsigned short* k, const unsigned short* v, float
             float total = stat == 0 || !QZ_PV ? 0.f : QZ_NEG_INF;
             for (int r = 0; r < 16; r++) {
                 const float x = red[r * QZ_D + threadIdx.x];
-                total = stat == 0 ? total + x : qz_max(total, x);
+                total = stat == 0 ? total + x : pk_max_nan(total, x);
             }
             partial[stat * second + out + threadIdx.x] = total;
         }
@@ -230,7 +133,7 @@ __device__ __forceinline__ void qz_row_shift(const uint4* raw, const float* mu, 
     #pragma unroll
     for (int u = 0; u < 8; u++) {
         float x[8], dot = 0.f;
-        qz_unpack8(raw[u], x);
+        pk_unpack8<QZ_IN_KIND>(raw[u], x);
         #pragma unroll
         for (int e = 0; e < 8; e++) dot = fmaf(x[e], mu[8 * cg + e], dot);
         #pragma unroll
@@ -250,12 +153,12 @@ __device__ __forceinline__ void qz_row_scales(const uint4* raw, float* scale_row
     #pragma unroll
     for (int u = 0; u < 8; u++) {
         float x[8], amax = 0.f;
-        qz_unpack8(raw[u], x);
+        pk_unpack8<QZ_IN_KIND>(raw[u], x);
         #pragma unroll
-        for (int e = 0; e < 8; e++) amax = qz_max(amax, fabsf(x[e]));
+        for (int e = 0; e < 8; e++) amax = pk_max_nan(amax, fabsf(x[e]));
         #pragma unroll
-        for (int offset = 8; offset > 0; offset >>= 1) amax = qz_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        amax = qz_max(amax, QZ_FLOOR);
+        for (int offset = 8; offset > 0; offset >>= 1) amax = pk_max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        amax = pk_max_nan(amax, QZ_FLOOR);
         const unsigned int row = row0 + step * u;
         if (cg == 0 && row < count) scale_rows[row] = amax / 127.f * scale_log2;
         inv[u] = 127.f / amax;
@@ -270,11 +173,11 @@ __device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_sc
     const unsigned int plane = blockIdx.x, half = threadIdx.x / 128, cg = threadIdx.x % 16;
     const unsigned int row0 = blockIdx.y * QZ_TILE + half * 64 + (threadIdx.x % 128) / 16;
     uint4 raw[8];
-    float amax = qz_rows(q + (unsigned long long)plane * q_pitch * QZ_D, row0, 8, seq_q, cg, nullptr, raw);
+    float amax = pk_rows_absmax<QZ_D, QZ_IN_KIND>(q + (unsigned long long)plane * q_pitch * QZ_D, row0, 8, seq_q, cg, nullptr, raw);
     qz_row_shift(raw, mu, q_shift + (unsigned long long)plane * seq_q, row0, 8, seq_q, cg, scale_log2);
     float inv[8];
 #if QZ_PV == 0
-    amax = qz_max(qz_group_max(amax, red, half * 128, 4), QZ_FLOOR);
+    amax = pk_max_nan(pk_block_max(amax, red, half * 128, 4), QZ_FLOOR);
     const unsigned int q_blocks = (seq_q + 63) / 64, block = blockIdx.y * 2 + half;
     if (block >= q_blocks) return;
     if (threadIdx.x % 128 == 0) q_scale[(unsigned long long)plane * q_blocks + block] = amax / 127.f * scale_log2;
@@ -283,7 +186,7 @@ __device__ void qz_query(const unsigned short* q, unsigned char* q8, float* q_sc
 #else
     qz_row_scales(raw, q_scale + (unsigned long long)plane * seq_q, row0, 8, seq_q, cg, scale_log2, inv);
 #endif
-    qz_store_rows(q8 + (unsigned long long)plane * seq_q * QZ_D, raw, row0, 8, seq_q, cg, nullptr, inv);
+    pk_store_int8_rows<QZ_D, QZ_IN_KIND>(q8 + (unsigned long long)plane * seq_q * QZ_D, raw, row0, 8, seq_q, cg, nullptr, inv);
 }
 
 /* Phase 1, k: key tile `blockIdx.y`, smoothed by mu, one scale. */
@@ -293,14 +196,14 @@ __device__ void qz_key(const unsigned short* k, unsigned char* k8, float* k_scal
     const unsigned int plane = blockIdx.x, cg = threadIdx.x % 16;
     const unsigned int row0 = blockIdx.y * QZ_TILE + threadIdx.x / 16;
     uint4 raw[8];
-    float amax = qz_rows(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, keys, cg, mu, raw);
-    amax = qz_max(qz_group_max(amax, red, 0, 8), QZ_FLOOR);
+    float amax = pk_rows_absmax<QZ_D, QZ_IN_KIND>(k + (unsigned long long)plane * kv_pitch * QZ_D, row0, 16, keys, cg, mu, raw);
+    amax = pk_max_nan(pk_block_max(amax, red, 0, 8), QZ_FLOOR);
     const unsigned int k_tiles = (seq_k + QZ_TILE - 1) / QZ_TILE;
     if (threadIdx.x == 0) k_scale[(unsigned long long)plane * k_tiles + blockIdx.y] = amax / 127.f;
     float inv[8];
     #pragma unroll
     for (int u = 0; u < 8; u++) inv[u] = 127.f / amax;
-    qz_store_rows(k8 + (unsigned long long)plane * seq_k * QZ_D, raw, row0, 16, keys, cg, mu, inv);
+    pk_store_int8_rows<QZ_D, QZ_IN_KIND>(k8 + (unsigned long long)plane * seq_k * QZ_D, raw, row0, 16, keys, cg, mu, inv);
 }
 
 /* Four values of one channel (keys key0 + e) as a word of 8-bit codes, byte e for key e: E4M3 of x * a
@@ -355,7 +258,7 @@ __device__ void qz_value_t(const unsigned short* v, unsigned char* vt8, const fl
                 const unsigned int logical = 4 * w + e;   /* = 16 h + 4 t + e' */
                 key[e] = chunk + (logical & 16u) + 8 * ((logical >> 1) & 1u) + 2 * ((logical >> 2) & 3u)
                        + (logical & 1u);
-                qz_load1(stage[key[e] * QZ_D + d], x[e]);
+                x[e] = pk_half_to_float<QZ_IN_KIND>(stage[key[e] * QZ_D + d]);
                 key[e] += blockIdx.y * QZ_TILE;
             }
             words[w] = qz_v_word(x, a, b, key, keys);
@@ -374,17 +277,17 @@ __device__ __forceinline__ void qz_value_scales(const float* mine, unsigned long
 {
     float top = QZ_PV ? QZ_NEG_INF : 0.f, bottom = QZ_NEG_INF;
     for (int c = 0; c < QZ_CHUNKS; c++) {
-        top = qz_max(top, mine[c * QZ_D]);
-        if (QZ_PV) bottom = qz_max(bottom, mine[second + c * QZ_D]);
+        top = pk_max_nan(top, mine[c * QZ_D]);
+        if (QZ_PV) bottom = pk_max_nan(bottom, mine[second + c * QZ_D]);
     }
 #if QZ_PV == 0
-    const float vmax = qz_max(top, QZ_FLOOR);
+    const float vmax = pk_max_nan(top, QZ_FLOOR);
     va[d] = 448.f / vmax;
     if (blockIdx.y == 0) v_scale[(unsigned long long)blockIdx.x * QZ_D + d] = vmax / 448.f;
 #else
     const bool none = top == QZ_NEG_INF;   /* no keys: max v = max -v = -inf */
     const float high = none ? 0.f : top / 2, low = none ? 0.f : -bottom / 2;
-    va[d] = qz_max(high - low, QZ_FLOOR) / 127.f;
+    va[d] = pk_max_nan(high - low, QZ_FLOOR) / 127.f;
     vb[d] = high + low;
     if (blockIdx.y == 0) {
         v_scale[(unsigned long long)blockIdx.x * 2 * QZ_D + d] = va[d];

@@ -16,6 +16,7 @@ HEADERS = (
     "tile_schedule.cuh",
     "epilogue.cuh",
     "softmax.cuh",
+    "quant_rows.cuh",
     "q8_scores.cuh",
     "pv_e4m3.cuh",
     "pv_u8.cuh",
