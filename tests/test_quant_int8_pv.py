@@ -128,3 +128,21 @@ def test_int8_pv_refuses_what_it_cannot_code(options: dict[str, object], named: 
     with pytest.raises(ValueError, match="pv_format='int8'") as error:
         int8_fp8_attention(q, k, v, pv_format="int8", **options)
     assert named in str(error.value)
+
+
+@pytest.mark.parametrize("kernel", ["int8", "fp8"])
+def test_twins_turn_nan_inputs_into_nan_outputs(kernel: str) -> None:
+    """The CPU twins (`attention(kernel=...)` on CPU), as the GPU test `test_gpu_fp8.py` asks of the kernels: a
+    NaN in q makes its row NaN (int8: that row only, its scale is the row's; fp8: its 64-row block), one in v
+    its channel in every row; a head without NaN inputs stays finite."""
+    from pictor_diffusers import attention
+
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 3, 50, 128, generator=generator).bfloat16() for _ in range(3))
+    q[0, 0, 17, 5] = float("nan")
+    v[0, 1, 23, 9] = float("nan")
+    out = attention(q, k, v, kernel=kernel).float()
+    assert torch.isnan(out[0, 17, :128]).all() and torch.isnan(out[0, :, 128 + 9]).all()
+    assert torch.isfinite(out[0, :, 256:]).all()
+    if kernel == "int8":
+        assert torch.isnan(out).sum().item() == 128 + 50, "NaN beyond the row and the channel"
