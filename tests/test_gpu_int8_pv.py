@@ -13,13 +13,9 @@ import math
 
 import pytest
 import torch
-from test_gpu_fp8 import TWIN_REL_L2, poisoned_call, qkv, skip_unless_runs
+from test_gpu_fp8 import TWIN_REL_L2, poisoned_call, prepass_parts, qkv, skip_unless_runs, transposed_codes
 
 from pictor_diffusers import attention
-from pictor_diffusers.cuda import nvrtc
-from pictor_diffusers.cuda.geometry import Geometry
-from pictor_diffusers.cuda.pass_rows import quantize_variant
-from pictor_diffusers.cuda.quantized import quantize, workspace_layout
 from pictor_diffusers.ops.quant_reference import (
     kernel_twin,
     quantize_int8_blocks,
@@ -44,17 +40,8 @@ def test_prepass_matches_torch_quantisers(seq_q: int, seq_k: int) -> None:
     k, v = k + 3.0, v * 4.0 - 2.0  # an offset for smoothing; V off centre
     v[..., :32] += 20.0  # channels with no value near 0: phase 0's rows past a chunk must not count as zeros
     skip_unless_runs(q, k, v, kernel="int8")
-    scale_log2 = 128**-0.5 * LOG2E
-    geometry = Geometry(batch * heads, seq_q, seq_k, seq_q, seq_k, 128, q.dtype, heads, scale_log2)
-    function = nvrtc.function(quantize_variant(128, "bfloat16", "1"), q.device.index)
-    workspace, _ = quantize((q.data_ptr(), k.data_ptr(), v.data_ptr()), geometry, q.device.index, function, "1")
-    layout = workspace_layout(batch * heads, seq_q, seq_k, 128, "1")
-
-    def part(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        offset, size = layout[name]
-        return workspace[offset : offset + size].view(dtype).view(shape)
-
-    q_codes, q_scales = quantize_int8_blocks(q, 1, scale_log2)
+    part = prepass_parts(q, k, v, "1")
+    q_codes, q_scales = quantize_int8_blocks(q, 1, 128**-0.5 * LOG2E)
     v_codes, v_steps, v_centres = quantize_int8_channels_centred(v)
     assert torch.equal(part("q8", torch.int8, (batch, heads, seq_q, 128)), q_codes), "q codes differ"
     torch.testing.assert_close(part("q_scale", torch.float32, q_scales.shape), q_scales, rtol=1e-6, atol=0)
@@ -66,12 +53,7 @@ def test_prepass_matches_torch_quantisers(seq_q: int, seq_k: int) -> None:
     torch.testing.assert_close(v_scale[:, :, 1:], v_centres, rtol=1e-6, atol=0)
     k_pad = -(-seq_k // 128) * 128
     vt = part("vt8", torch.int8, (batch, heads, 128, k_pad))
-    logical = torch.arange(k_pad, device=q.device)
-    r = logical % 32
-    physical = logical - r + (r & 16) + 8 * ((r >> 1) & 1) + 2 * ((r >> 2) & 3) + (r & 1)
-    want = torch.zeros(batch, heads, k_pad, 128, dtype=torch.int8, device=q.device)
-    want[:, :, :seq_k] = v_codes
-    want = want[:, :, physical].transpose(2, 3)
+    want = transposed_codes(v_codes, k_pad)
     assert torch.equal(vt, want), f"{(vt != want).sum().item()} V^T codes differ or are out of order"
 
 

@@ -39,7 +39,7 @@ K_TILE = 128
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 U8_MAX = 255.0  # the largest P code of the int8 P·V scheme (u8 x s8 wgmma)
-KERNEL_RESCALE_SLACK = 2.0  # F8_SLACK in flash_attn_fp8.cu
+KERNEL_RESCALE_SLACK = 2.0  # F8_SLACK in pv_e4m3.cuh (the "fp8" kernel)
 QUANT_FLOOR = 2.0**-43  # QZ_FLOOR in quantize_qkv8.cu: an all-zero block gets a tiny normal scale (codes 0)
 
 
