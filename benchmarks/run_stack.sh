@@ -4,7 +4,7 @@
 # Steps: tests (the fp8-linear GPU tests), regional:<image> (all six configs, repeated blocks compiled),
 # whole:<image>[:<linears>] (the whole model compiled), probe (a 1+2-block fp8 model compiled whole, torchao's
 # inductor options off then on: compile seconds), parity:<image> (stock and PictorAttn(), regional), suite (the
-# GPU test suite), host (profile_host.py), layers, auto_route, kernel (the bf16 kernel against cuDNN at issue 29's
+# GPU test suite), host (profile_host.py), layers (LAYERS: a comma list of its rows), auto_route, kernel (the bf16 kernel against cuDNN at issue 29's
 # shapes), peer8 (bench_8bit_peer.py).
 BUDGET=${BUDGET:-580}
 source benchmarks/device_env.sh
@@ -26,7 +26,7 @@ for spec in "$@"; do
       stack 150 python3 bench_stack.py --blocks 1,2 --linears fp8 --backends stock --reps 3 --tune-inductor \
         --stacks 140 --json "$OUT/${GPU}_stack_probe_tuned.json" ;;
     host) step 120 python3 benchmarks/profile_host.py --json "$OUT/${GPU}_host_profile.json" ;;
-    layers) step 240 python3 benchmarks/bench_layers.py --json "$OUT/${GPU}_layers.json" ;;
+    layers) step 240 python3 benchmarks/bench_layers.py ${LAYERS:+--layers "$LAYERS"} --json "$OUT/${GPU}_layers.json" ;;
     kernel) step 150 python3 benchmarks/bench_kernel.py --rows pictor_wgmma:bf16,sdpa_cudnn:bf16 \
       --shapes 1x24x4608x128,1x24x16896x128,2x32x8704x128,1x40x32760x128,2x24x4437x64 \
       --json "$OUT/${GPU}_kernel_vs_cudnn.json" ;;

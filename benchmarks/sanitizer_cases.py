@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  python benchmarks/sanitizer_cases.py
     compute-sanitizer --tool racecheck python benchmarks/sanitizer_cases.py [--kernels wgmma --no-models]
+    compute-sanitizer --tool racecheck python benchmarks/sanitizer_cases.py --key-bias-only
     ncu --clock-control none -k regex:joint_attention python benchmarks/sanitizer_cases.py --shape 1x24x4608x128
     ncu ... python benchmarks/sanitizer_cases.py --shape 1x24x4608x128 --kernels wgmma --dtype bf16
 
@@ -81,7 +82,10 @@ def main() -> int:
     parser.add_argument("--kernels", help=f"comma list of {F32_KERNELS + HALF_KERNELS} (default: all)")
     parser.add_argument("--dtype", default="bf16,fp16", help="16-bit dtypes for wgmma / mma16: bf16, fp16")
     parser.add_argument("--no-models", action="store_true", help="skip the tiny FLUX.2 forwards (prologue cases)")
+    parser.add_argument("--key-bias-only", action="store_true", help="only the wgmma key-bias cases")
     args = parser.parse_args()
+    if args.key_bias_only:
+        return 0 if run_key_bias_cases([DTYPES[name] for name in args.dtype.split(",")]) else 1
     kernels = args.kernels.split(",") if args.kernels else list(F32_KERNELS + HALF_KERNELS)
     f32_kernels = [k for k in kernels if k in F32_KERNELS]
     half_kernels = [k for k in kernels if k in HALF_KERNELS]
@@ -94,6 +98,7 @@ def main() -> int:
         ok &= run_16bit(case, half_kernels, dtypes) if half_kernels else True
     if shape is None:
         ok &= run_key_lens_cases(kernels, dtypes)
+        ok &= run_key_bias_cases(dtypes) if "wgmma" in kernels else True
         ok &= True if args.no_models else run_prologue_cases()
     return 0 if ok else 1
 
@@ -116,6 +121,27 @@ def run_key_lens_cases(kernels: list[str], dtypes: list[torch.dtype]) -> bool:
             bound = 1e-5 if dtype == torch.float32 else EIGHT_BIT_MAX_ABS if kernel in EIGHT_BIT else 2e-2
             print(f"key_lens {counts} D{head_dim} kernel={kernel} {dtype}: max_abs {max(errors):.2e}")
             ok &= max(errors) <= bound and bool((out[1] == 0).all())
+    return ok
+
+
+def run_key_bias_cases(dtypes: list[torch.dtype]) -> bool:
+    """The wgmma kernel's key-bias builds, head_dim 64 and 128, 2100 and 181 keys (176- and 128-key tiles with a
+    partial last one): N(0, 9) biases, batch 0's leading and trailing tiles -inf, batch 1 all -inf (rows of 0),
+    against float64 SDPA with the bias as its mask."""
+    ok = True
+    for dtype, head_dim, seq_k in itertools.product(dtypes, (64, 128), (2100, 181)):
+        q = random_qkv(2, 3, 150, head_dim, seed=12)[0].to(dtype)
+        k, v = (t.to(dtype) for t in random_qkv(2, 3, seq_k, head_dim, seed=13)[1:])
+        if cannot_run("wgmma", q, k, v) is not None:
+            continue
+        bias = torch.randn(2, 3, seq_k, device="cuda") * 3
+        bias[0, :, : seq_k // 3], bias[0, :, -seq_k // 4 :], bias[1] = float("-inf"), float("-inf"), float("-inf")
+        out = attention(q, k, v, kernel="wgmma", key_bias=bias).double()
+        mask = bias[:1, :, None].double()
+        want = torch.nn.functional.scaled_dot_product_attention(*(t[:1].double() for t in (q, k, v)), attn_mask=mask)
+        error = (out[0] - want.transpose(1, 2).reshape(150, 3 * head_dim)).abs().max().item()
+        print(f"key_bias D{head_dim} Nk{seq_k} kernel=wgmma {dtype}: max_abs {error:.2e}")
+        ok &= error <= 2e-2 and bool((out[1] == 0).all())
     return ok
 
 

@@ -22,6 +22,8 @@
      sm90_wgmma.cuh     sm_90a: wgmma descriptors, instructions and their ordering
      sm90_store.cuh     sm_90a: finished rows staged in shared memory (stmatrix), stored by TMA; rows of
                         batches without keys
+     key_bias.cuh       sm_90a: an additive bias per key (SDPA's float mask over keys), copied beside each K
+                        tile and added to the scores (flash_attn_wgmma.cu's WG_KEY_BIAS builds)
    The three Hopper kernels (flash_attn_wgmma.cu, flash_attn_fp16x3.cu, flash_attn_fp8.cu) keep only
    their shared-memory map, tile copies, main loop and epilogue; the pipeline and the instructions are
    shared, as FlashAttention-3's hopper/ keeps pipeline, main loop, softmax and epilogue apart.

@@ -20,15 +20,16 @@ struct pk_out_rows {
     pk_work wk;
 };
 
-/* O / l rounded to nearest even in dtype KIND, and ln(l) + m ln 2, for the thread's two rows. */
-template <int KIND, int D>
+/* O / l rounded to nearest even in dtype KIND, and ln(l) + m ln 2, for the thread's two rows. EMPTY_ROWS: a
+   row may have l = 0 (every key's weight 0, softmax.cuh): its output is 0 and its LSE -inf. */
+template <int KIND, int D, bool EMPTY_ROWS = false>
 __device__ __forceinline__ void pk_round_out(pk_out_rows<D>& r, const float* o, const float* m_run,
                                              const float* l_run, const pk_work& wk)
 {
     r.wk = wk;
     #pragma unroll
     for (int row = 0; row < 2; row++) {
-        const float l = pk_quad_sum(l_run[row]), inv = 1.f / l;
+        const float l = pk_quad_sum(l_run[row]), inv = EMPTY_ROWS && l == 0.f ? 0.f : 1.f / l;
         r.lse[row] = (m_run[row] + log2f(l)) * 0.6931471805599453f;
         #pragma unroll
         for (int n = 0; n < D / 8; n++) {

@@ -30,7 +30,10 @@
    the finished tile's rows are then rounded (epilogue.cuh) and stored.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences), with 176-key tiles at WG_D =
-   128: 27% fewer tiles pay the per-tile costs (expected faster).
+   128: 27% fewer tiles pay the per-tile costs (expected faster). Its
+   WG_KEY_BIAS=1 build adds a per-key bias to the logits (SDPA's float mask
+   over keys; key_bias.cuh): the producer copies each key tile's biases
+   beside its K tile, the consumers add them before the softmax.
    Stores: each consumer warpgroup stages its rounded rows in shared memory
    (stmatrix) and one of its threads writes them with bulk tensor copies
    (sm90_store.cuh): into an output tile of their own in the persistent
@@ -57,7 +60,8 @@
        WG_PERSISTENT output tiles (WG_BQ x WG_D), 16-bit, each stored as
        WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
        swizzle; 1 KiB of alignment slack; then 8 x (4 + 4 WG_STAGES) bytes
-       of mbarriers. At WG_D = 128: 214,112 bytes (WG_PERSISTENT=0, 176-key
+       of mbarriers (WG_KEY_BIAS: WG_STAGES rows of WG_BK f32 biases before
+       them). At WG_D = 128: 214,112 bytes (WG_PERSISTENT=0, 176-key
        tiles, 2 stages) and 230,496 (=1, 128-key tiles, 2 stages); at 64,
        128-key tiles: 156,832 (=0, 4 stages) and 173,184 (=1, 3 stages).
    Matrix products: wgmma.mma_async, f32 accumulators; m64n{WG_BK}k16 for S
@@ -86,6 +90,8 @@
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
                  batch b attends its first key_lens[b] keys (attention_io.cuh)
+       key_bias: WG_KEY_BIAS=1 only: f32 [batch * num_heads][WG_BK ceil(seq_k / WG_BK)]
+                 in log2 units (key_bias.cuh), else ignored
        batch   : the last argument, B (the persistent build's work tiles)
    Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
    and softmax; P is rounded to the input dtype for the P.V product (as in
@@ -94,6 +100,7 @@
 
 #include "attention_io.cuh"
 #include "epilogue.cuh"
+#include "key_bias.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_store.cuh"
 #include "sm90_wgmma.cuh"
@@ -104,8 +111,8 @@
     || !defined(WG_THREADS) || !defined(WG_SMEM_BYTES)
 #error "flash_attn_wgmma.cu needs -D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS, WG_SMEM_BYTES from the host"
 #endif
-#if !defined(WG_KEY_LENS) || !defined(WG_PERSISTENT)
-#error "flash_attn_wgmma.cu needs -D WG_KEY_LENS=0 or 1 and WG_PERSISTENT=0 or 1 from the host"
+#if !defined(WG_KEY_LENS) || !defined(WG_PERSISTENT) || !defined(WG_KEY_BIAS)
+#error "flash_attn_wgmma.cu needs -D WG_KEY_LENS, WG_PERSISTENT and WG_KEY_BIAS (each 0 or 1) from the host"
 #endif
 #if WG_D != 64 && WG_D != 128
 #error "the wgmma kernel is built for head_dim 64 or 128"
@@ -123,6 +130,7 @@
 #define WG_Q_BUFS (1 + WG_PERSISTENT)        /* Q tiles: the persistent build loads the next work tile's early */
 #define WG_O_BUFS WG_PERSISTENT              /* output tiles: the persistent build's own staging area */
 #define WG_K0 (WG_Q_BUFS * WG_Q_BYTES)       /* where the K tiles start, after the Q tiles */
+#define WG_BIAS_BYTES (WG_KEY_BIAS * WG_STAGES * WG_BK * 4)   /* a row of f32 key biases per stage */
 #define WG_BARRIER_BYTES (8 * (4 + 4 * WG_STAGES))   /* the ring's, q_full of Q tile 1, q_free of both */
 static_assert(WG_BQ == 128 || WG_BQ == 192, "WG_BQ must be 128 or 192 (two or three consumer warpgroups)");
 static_assert(WG_BK == 128 || (WG_BK == 176 && WG_CONSUMERS == 2),
@@ -130,14 +138,16 @@ static_assert(WG_BK == 128 || (WG_BK == 176 && WG_CONSUMERS == 2),
 static_assert(WG_THREADS == 128 * (1 + WG_CONSUMERS),
               "WG_THREADS must be 128 x (1 + WG_BQ / 64): one producer and the consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
-static_assert(WG_SMEM_BYTES == 1024 + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES + WG_O_BUFS * WG_Q_BYTES + WG_BARRIER_BYTES,
-              "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K stages | V stages | output tile | mbarriers");
+static_assert(!WG_KEY_BIAS || (!WG_PERSISTENT && !WG_KEY_LENS), "key biases: the one-block build without key counts");
+static_assert(WG_SMEM_BYTES == 1024 + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES + WG_O_BUFS * WG_Q_BYTES + WG_BIAS_BYTES
+                                   + WG_BARRIER_BYTES,
+              "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K | V stages | output tile | biases | mbarriers");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "WG_SMEM_BYTES exceeds sm_90's 227 KiB per block");
 
 /* ---- roles ---- */
 
 /* Shared-memory map: WG_Q_BUFS Q tiles, K tiles, V tiles, WG_O_BUFS output tiles (1024-byte aligned for
-   the swizzle), then the ring's mbarriers (q_full is Q tile 0's), Q tile 1's full mbarrier and both Q
+   the swizzle), the stages' key biases (WG_KEY_BIAS), then the ring's mbarriers (q_full is Q tile 0's), Q tile 1's full mbarrier and both Q
    tiles' free ones (the consumers are done with the tile). Work tile `round` uses Q tile round % WG_Q_BUFS,
    in that tile's phase round / WG_Q_BUFS. Addresses are computed, not indexed, so nothing lands in local
    memory. */
@@ -147,6 +157,7 @@ struct wg_smem : pk_ring<WG_STAGES, WG_CONSUMERS> {
     __device__ unsigned int k(unsigned int s) const { return base + WG_K0 + s * WG_KV_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + WG_K0 + (WG_STAGES + s) * WG_KV_BYTES; }
     __device__ unsigned int o() const { return base + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES; }
+    __device__ unsigned int bias(unsigned int s) const { return o() + WG_O_BUFS * WG_Q_BYTES + s * WG_BK * 4; }
     __device__ unsigned int q_full_of(unsigned int round) const
     {
         return round % WG_Q_BUFS ? bars + 8 * (1 + 4 * WG_STAGES) : q_full();
@@ -162,7 +173,7 @@ __device__ __forceinline__ wg_smem wg_carve(unsigned char* raw)
 {
     wg_smem m;
     m.base = pk_smem_base(raw);
-    m.bars = m.o() + WG_O_BUFS * WG_Q_BYTES;
+    m.bars = m.bias(0) + WG_BIAS_BYTES;
     return m;
 }
 
@@ -170,16 +181,18 @@ typedef pk_tile_schedule<WG_BQ, WG_BK, WG_KEY_LENS> wg_schedule;
 
 /* The producer's share of one work tile with keys: its Q tile (once the consumers freed that Q tile's
    previous work tile, in the persistent build), then its key tiles through the ring from the ring's tile
-   `first`. */
+   `first`, each K tile with its biases (WG_KEY_BIAS: `bias` is the plane's first). */
 __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tensor_map* tm_q,
                                                 const pk_tensor_map* tm_k, const pk_tensor_map* tm_v,
-                                                const pk_work& t, unsigned int first, unsigned int round)
+                                                const float* bias, const pk_work& t, unsigned int first,
+                                                unsigned int round)
 {
     if (WG_PERSISTENT && round >= WG_Q_BUFS) pk_bar_wait(m.q_free(round), (round / WG_Q_BUFS - 1) & 1);
     pk_copy_tile<WG_BQ, WG_SLABS>(m.q(round), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full_of(round));
     m.produce(
         t.n_tiles,
         [&](unsigned int j, unsigned int s) {
+            if (WG_KEY_BIAS) pk_copy_bias(m.bias(s), bias + j * WG_BK, WG_BK * 4, m.k_full(s));
             pk_copy_tile<WG_BK, WG_SLABS>(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
         },
         [&](unsigned int j, unsigned int s) {
@@ -190,20 +203,23 @@ __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tenso
 
 /* The producer thread: each work tile with keys, the ring running on across them (persistent build). */
 __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
-                                           const pk_tensor_map* tm_v, const wg_schedule& sched)
+                                           const pk_tensor_map* tm_v, const float* key_bias,
+                                           const wg_schedule& sched)
 {
 #if WG_PERSISTENT
     unsigned int first = 0, round = 0;
     for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
         const pk_work t = sched.at(w);
         if (!sched.has_keys(t)) continue;
-        wg_produce_tile(m, tm_q, tm_k, tm_v, t, first, round);
+        wg_produce_tile(m, tm_q, tm_k, tm_v, nullptr, t, first, round);
         first += t.n_tiles;
         round++;
     }
 #else
     const pk_work t = sched.own();
-    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, t, 0, 0);
+    const unsigned long long plane = (unsigned long long)t.batch * sched.num_heads + t.head;
+    const float* bias = key_bias + plane * t.n_tiles * WG_BK;   /* used by the WG_KEY_BIAS build only */
+    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, bias, t, 0, 0);
 #endif
 }
 
@@ -217,6 +233,18 @@ struct wg_acc {
 };
 
 __device__ __forceinline__ unsigned int wg_rows0() { return pk_consumer_wg() * 64; }
+
+/* Stage st's scores S (first key key0) to weights: its key biases added (WG_KEY_BIAS; S is then in log2
+   units, and the stage's K is freed after they are read), keys >= seq_k masked, the online softmax step. */
+__device__ __forceinline__ void wg_softmax(const wg_smem& m, float* s, float* m_run, float* l_run, float* corr,
+                                           unsigned int st, unsigned int key0, unsigned int seq_k, float scale_log2)
+{
+    const unsigned int t = threadIdx.x & 3u;
+    if (WG_KEY_BIAS) pk_add_bias<WG_BK / 8>(s, m.bias(st), scale_log2, t);
+    m.free_k(st);
+    pk_mask_tail<WG_BK / 8>(s, key0, seq_k, t);
+    pk_online_softmax<WG_BK / 8, 1, true, WG_KEY_BIAS>(s, m_run, l_run, corr, WG_KEY_BIAS ? 1.f : scale_log2);
+}
 
 /* Key tile 0's S of work tile `wk` (the ring's tile `first`), computed and folded into a fresh softmax
    state (m_run, l_run); WITH_PV: the previous work tile's last P.V (V of the ring's tile first - 1) runs
@@ -242,11 +270,9 @@ __device__ __forceinline__ void wg_first_keys(const wg_smem& m, wg_acc& a, float
         pk_wgmma_wait<0>();
     }
     pk_pin<WG_S_REGS>(a.s);
-    m.free_k(st);
     m_run[0] = m_run[1] = PK_NEG_INF;
     l_run[0] = l_run[1] = 0.f;
-    pk_mask_tail<WG_BK / 8>(a.s, 0, wk.seq_k, threadIdx.x & 3u);
-    pk_online_softmax<WG_BK / 8, 1, true>(a.s, m_run, l_run, corr, scale_log2);
+    wg_softmax(m, a.s, m_run, l_run, corr, st, 0, wk.seq_k, scale_log2);
     if (WITH_PV) {
         pk_wgmma_wait<0>();
         pk_pin<WG_O_REGS>(a.o);
@@ -277,9 +303,7 @@ __device__ __forceinline__ void wg_key_step(const wg_smem& m, wg_acc& a, const p
     pk_tile_pv<WG_IN_KIND, WG_D, WG_BK>(a.o, a.p, m.v(prev));
     pk_wgmma_wait<1>();
     pk_pin<WG_S_REGS>(a.s);
-    m.free_k(st);
-    pk_mask_tail<WG_BK / 8>(a.s, j * WG_BK, wk.seq_k, threadIdx.x & 3u);
-    pk_online_softmax<WG_BK / 8, 1, true>(a.s, a.m_run, a.l_run, corr, scale_log2);
+    wg_softmax(m, a.s, a.m_run, a.l_run, corr, st, j * WG_BK, wk.seq_k, scale_log2);
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(a.o);
     m.free_v(prev);
@@ -313,7 +337,7 @@ __device__ __forceinline__ void wg_finish(const wg_smem& m, wg_acc& a, const pk_
     pk_wgmma_wait<0>();
     pk_pin<WG_O_REGS>(a.o);
     pk_out_rows<WG_D> r;
-    pk_round_out<WG_IN_KIND, WG_D>(r, a.o, a.m_run, a.l_run, wk);
+    pk_round_out<WG_IN_KIND, WG_D, WG_KEY_BIAS>(r, a.o, a.m_run, a.l_run, wk);
     wg_store_rows(r, area, dst);
     pk_store_drain();
 }
@@ -387,6 +411,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 joint_attention_wgmma(
     PK_MAP_OPERANDS(unsigned short),
     const __grid_constant__ pk_tensor_map tm_o,
+    const float* __restrict__ key_bias,
     PK_MAP_SCALARS,
     float scale_log2, unsigned int batch)
 {
@@ -400,9 +425,10 @@ joint_attention_wgmma(
     }
     const pk_out_dst dst = {&tm_o, out, lse, sched.num_heads, seq_q, out_pitch};
 #if WG_PERSISTENT
-    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); },
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, key_bias, sched); },
           [&] { wg_consume_persistent(m, sched, dst, scale_log2); });
 #else
-    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, sched); }, [&] { wg_consume_own(m, sched, dst, scale_log2); });
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, key_bias, sched); },
+          [&] { wg_consume_own(m, sched, dst, scale_log2); });
 #endif
 }

@@ -46,9 +46,11 @@ __device__ __forceinline__ void pk_mask_tail(float* s, unsigned int key0, unsign
        l_run     = l_run * corr + sum of the thread's new s in the row
    Empty-row guard: m_run starts at -inf and every tile holds at least one
    valid key (pk_mask_tail leaves it finite), so m_new is finite and the
-   first tile's corr is 2^-inf = 0 exactly, with no branch.
+   first tile's corr is 2^-inf = 0 exactly, with no branch. EMPTY_ROWS: a
+   tile may hold no finite score of a row (a key bias of -inf), so m_new may
+   be -inf; the exponents then subtract 0 instead (weights 0, corr 0, l 0).
    FAST picks 2^x as in pk_exp2_by. */
-template <int NT, int MT, bool FAST>
+template <int NT, int MT, bool FAST, bool EMPTY_ROWS = false>
 __device__ __forceinline__ void pk_online_softmax(float* s, float* m_run, float* l_run, float* corr,
                                                   float scale_log2)
 {
@@ -60,13 +62,14 @@ __device__ __forceinline__ void pk_online_softmax(float* s, float* m_run, float*
         for (int n = 0; n < NT; n++) tile_max = fmaxf(tile_max, fmaxf(row[4 * n], row[4 * n + 1]));
         tile_max = pk_quad_max(tile_max);
         const float m_new = fmaxf(m_run[ri], tile_max * scale_log2);
-        corr[ri] = pk_exp2_by<FAST>(m_run[ri] - m_new);
+        const float m_sub = EMPTY_ROWS && m_new == PK_NEG_INF ? 0.f : m_new;
+        corr[ri] = pk_exp2_by<FAST>(m_run[ri] - m_sub);
         m_run[ri] = m_new;
         float row_sum = 0.f;
         #pragma unroll
         for (int n = 0; n < NT; n++) {
-            row[4 * n] = pk_exp2_by<FAST>(fmaf(row[4 * n], scale_log2, -m_new));
-            row[4 * n + 1] = pk_exp2_by<FAST>(fmaf(row[4 * n + 1], scale_log2, -m_new));
+            row[4 * n] = pk_exp2_by<FAST>(fmaf(row[4 * n], scale_log2, -m_sub));
+            row[4 * n + 1] = pk_exp2_by<FAST>(fmaf(row[4 * n + 1], scale_log2, -m_sub));
             row_sum += row[4 * n] + row[4 * n + 1];
         }
         l_run[ri] = l_run[ri] * corr[ri] + row_sum;

@@ -1,10 +1,12 @@
-"""Additive float masks through pictor's diffusers backends, on CPU (`key_padding.float_key_padding`'s rule).
+"""Additive float masks through pictor's diffusers backends, on CPU.
 
 * key-padding float masks (0 kept; -inf, finfo.min or -10000 dropped; the same over heads and queries) are served,
   in every broadcast form SDPA takes, LTX-Video's materialized `[B, H, 1, Nk]` included, as accurate as native
   against float64;
-* any other float mask (varying over queries or heads, positive or small negative biases, NaN, a batch keeping no
-  key) runs native, bitwise, with one warning naming the mask's dtype and shape;
+* any other float mask that is the same for every query row (varying over heads, positive or small negative
+  biases, NaN, a batch keeping no key) is served too, as a key bias (`mask_bias`: the CPU twins and the Hopper
+  kernel add it to the logits), against float64 SDPA, NaN where SDPA gives NaN;
+* a mask that varies over queries runs native, bitwise, with one warning naming the mask's dtype and shape;
 * a tiny LTX-Video transformer with a padded prompt: every call served, no warning, output as native's.
 """
 
@@ -100,16 +102,36 @@ def not_key_padding(case: str, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-NOT_KEY_PADDING = "over-queries over-heads positive-bias finite-bias just-above-threshold nan no-key-kept".split()
+PER_KEY_BIASES = "over-heads positive-bias finite-bias just-above-threshold nan no-key-kept".split()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PER_KEY_BIASES)
+def test_per_key_biases_served_as_key_bias(case: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float masks that are not key padding but the same for every query row: served by every backend, NaN
+    exactly where float64 SDPA gives NaN (the "nan" case's batch), elsewhere as accurate as native."""
+    query = qkv((2, 20, HEADS, 16), dtype, seed=6)[0]
+    key, value = qkv((2, 24, HEADS, 16), dtype, seed=7)[:2]
+    mask = not_key_padding(case, dtype)
+    exact = F.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (query, key, value)), attn_mask=mask.double()
+    ).transpose(1, 2)
+    nan = exact.isnan()
+    assert nan.any() == (case == "nan")
+    if nan.any():
+        for name in COMPUTE:
+            out = dispatch_attention_fn(query, key, value, attn_mask=mask, backend=name)
+            assert torch.equal(out.isnan(), nan), name
+        query, key, value, mask, exact = query[:1], key[:1], value[:1], mask[:1], exact[:1]  # the finite batch
+    assert_masked_call_served(query, key, value, mask, exact, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("case", NOT_KEY_PADDING)
-def test_other_float_masks_fall_back(case: str, name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_masks_over_queries_fall_back(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     query = qkv((2, 20, HEADS, 16), dtype, seed=6)[0]
     key, value = qkv((2, 24, HEADS, 16), dtype, seed=7)[:2]
-    mask = not_key_padding(case, dtype)
+    mask = not_key_padding("over-queries", dtype)
     expected = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="native")
     with count_pictor_calls(monkeypatch) as calls, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

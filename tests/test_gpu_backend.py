@@ -208,6 +208,46 @@ def test_key_padding_mask(
     assert error <= bound, f"{name} {dtype}: rel L2 {error:.3e} > {bound:.3e}"
 
 
+@HEAD_DIMS
+@pytest.mark.parametrize(("batch", "seq_q", "seq_k"), [(2, 6144, 128), (2, 333, 1000)])
+def test_ltx_float_mask_is_a_key_bias_without_sync(
+    batch: int, seq_q: int, seq_k: int, head_dim: int, monkeypatch
+) -> None:
+    """LTX-Video's `[B, H, 1, Nk]` bf16 mask of 0 and -10000 (fresh each call, as its processor repeats it per
+    head) through `pictor_bf16` on Hopper: one 16-bit launch with the mask as a key bias, no host sync, within
+    native's error of float64 SDPA."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from pictor_diffusers.cuda.plan import cannot_run
+
+    generator = torch.Generator(device="cuda").manual_seed(seq_q + seq_k)
+    query = torch.randn(batch, seq_q, 4, head_dim, device="cuda", generator=generator).bfloat16()
+    key, value = (torch.randn(batch, seq_k, 4, head_dim, device="cuda", generator=generator).bfloat16() for _ in "kv")
+    if cannot_run("wgmma", *(t.transpose(1, 2).contiguous() for t in (query, key, value))) is not None:
+        pytest.skip("the wgmma kernel (Hopper) cannot run here")
+    kept = torch.rand(batch, 1, 1, seq_k, device="cuda", generator=generator) > 0.3
+    mask = ((1 - kept.bfloat16()) * -10000.0).expand(batch, 4, 1, seq_k).contiguous()
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (query, key, value)), attn_mask=mask.double()
+    ).transpose(1, 2)
+    native = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="native")
+    torch.cuda.synchronize()
+    with count_launches(monkeypatch) as calls:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="pictor_bf16")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert calls["16bit"] == 1 and sum(calls.values()) == 1, calls
+    error, native_error = (rel_l2_of(t, exact) for t in (out, native))
+    print(f"LTX mask B{batch} Nq{seq_q} Nk{seq_k} D{head_dim}: rel L2 {error:.2e} (native {native_error:.2e})")
+    assert error <= 1.5 * native_error + 1e-3
+
+
+def rel_l2_of(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((actual.double() - exact).norm() / exact.norm()).item()
+
+
 def token_major_qkv(
     batch: int, seq_q: int, seq_k: int, kernel: str, head_dim: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:

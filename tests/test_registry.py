@@ -188,7 +188,8 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
             assert int(defines[prefix + "SMEM_BYTES"]) == variant.shared_bytes
         persistent_bytes = spec.persistent_shared_bytes
         expected_bytes = persistent_bytes if variant.persistent and persistent_bytes else spec.shared_bytes
-        assert variant.shared_bytes == expected_bytes(variant.head_dim)
+        bias_bytes = spec.key_bias_bytes(variant.head_dim) if variant.key_bias else 0
+        assert variant.shared_bytes == expected_bytes(variant.head_dim) + bias_bytes
         assert len(set(variant.options())) == len(variant.options())
         assert defines[prefix + "KEY_LENS"] == str(int(variant.key_lens))
     assert {v.key_lens for v in variants(spec)} == {False, True}
@@ -240,7 +241,11 @@ def test_head_dim_64_runs_three_consumer_warpgroups(persistent: bool) -> None:
     """The wgmma row's head_dim-64 builds: 512 threads (a producer and three consumer warpgroups), 192-row query
     blocks, four K/V stages (three persistent) in the shared memory the kernel's map needs; head_dim 128 keeps
     384 threads and 128 rows."""
-    builds = {v.head_dim: v for v in variants(BY_NAME["wgmma"]) if v.persistent == persistent and not v.key_lens}
+    builds = {
+        v.head_dim: v
+        for v in variants(BY_NAME["wgmma"])
+        if v.persistent == persistent and not v.key_lens and not v.key_bias
+    }
     narrow, wide = builds[64], builds[128]
     assert (narrow.threads, narrow.rows_per_block, wide.threads, wide.rows_per_block) == (512, 192, 384, 128)
     stages = 3 if persistent else 4
@@ -267,7 +272,9 @@ def test_wgmma_key_tiles(head_dim: int, persistent: bool) -> None:
         assert variant.key_rows == keys and f"-DWG_BK={keys}" in options
         stages = int(dict(variant.defines())["WG_STAGES"])
         q_tiles = 3 if persistent else 1
-        assert variant.shared_bytes == 1024 + q_tiles * rows * d * 2 + 2 * stages * keys * d * 2 + 8 * (4 + 4 * stages)
+        biases = stages * keys * 4 if variant.key_bias else 0  # a row of f32 key biases per stage
+        tiles = q_tiles * rows * d * 2 + 2 * stages * keys * d * 2
+        assert variant.shared_bytes == 1024 + tiles + biases + 8 * (4 + 4 * stages)
         assert variant.shared_bytes <= 227 * 1024
         more = variant.shared_bytes + 2 * keys * d * 2 + 32
         assert head_dim == 64 or more > 227 * 1024, "a stage more would fit"
@@ -287,3 +294,38 @@ def test_short_key_sequences_select_the_persistent_build(short_keys: bool, key_l
     assert f"-DWG_BK={128 if short_keys else 176}" in variant.options()
     mma16 = select_kernel(replace(problem, capability=(8, 0)), "mma16").variant
     assert not mma16.persistent and not any("PERSISTENT" in option for option in mma16.options())
+
+
+def test_key_bias_builds_are_the_wgmma_one_block_builds() -> None:
+    """Only the wgmma row has key-bias builds: one per head_dim and dtype, one block per work tile, without key
+    counts, each with -DWG_KEY_BIAS=1 (every other wgmma build: 0) and a row of f32 biases per K/V stage."""
+    for spec in KERNELS:
+        biased = [v for v in variants(spec) if v.key_bias]
+        if spec.name != "wgmma":
+            assert not biased and spec.key_bias_bytes is None
+            continue
+        assert {(v.head_dim, v.in_dtype) for v in biased} == {(d, i) for d in (64, 128) for i in spec.in_dtypes}
+        for variant in variants(spec):
+            defines = dict(variant.defines())
+            assert defines["WG_KEY_BIAS"] == str(int(variant.key_bias))
+            if variant.key_bias:
+                assert not (variant.persistent or variant.key_lens) and variant.name.endswith("_keybias")
+                plain = replace(variant, key_bias=False)
+                keys, stages = variant.key_rows, int(defines["WG_STAGES"])
+                assert variant.shared_bytes == plain.shared_bytes + keys * stages * 4
+
+
+@pytest.mark.parametrize("short_keys", [False, True], ids=["long", "short"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_key_bias_runs_the_one_block_wgmma_build(head_dim: int, short_keys: bool) -> None:
+    """On Hopper a 16-bit call with a key bias runs the wgmma key-bias build (never the persistent one, never
+    SDPA); on Ampere, and with key counts too, no kernel takes it and the error says why."""
+    hopper = Problem("bfloat16", "bfloat16", head_dim, (9, 0), 232_448, short_keys=short_keys, key_bias=True)
+    variant = select_kernel(hopper).variant
+    assert variant.spec.name == "wgmma" and variant.key_bias and not variant.persistent
+    with pytest.raises(NoKernelError, match="takes no key bias"):
+        select_kernel(replace(hopper, capability=(8, 0)))
+    with pytest.raises(NoKernelError, match="a key bias or key counts, not both"):
+        select_kernel(replace(hopper, key_lens=True), kernel="wgmma")
+    with pytest.raises(NoKernelError, match="takes no key bias"):
+        select_kernel(replace(hopper, in_dtype="float32", out_dtype="float32"))

@@ -10,9 +10,13 @@ logit scale times log2 e, for the prepasses (`launch.split_planes`, `quantized.q
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
+
+LOG2_E = 1.0 / math.log(2.0)
+"""log2(e): the kernels' softmax runs in the exp2 domain, so logit scales and key biases are taken times it."""
 
 
 class Window(NamedTuple):

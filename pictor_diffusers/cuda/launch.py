@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,14 +20,13 @@ import torch
 
 from ..dtypes import DTYPE_NAMES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import OUT_MAP_OPERAND, OUT_OPERAND, Geometry, Launch, SplitPlanes, Window, split_halves
+from .geometry import LOG2_E, OUT_MAP_OPERAND, OUT_OPERAND, Geometry, Launch, SplitPlanes, Window, split_halves
 from .pass_rows import SPLIT, prologue_split_variant, prologue_variant, split_variant
 from .plan import AttentionPlan
 from .prologue_layout import PrologueLayout
 from .quantized import quantized_operands
 from .registry import KernelSpec
 
-_LOG2_E = 1.0 / math.log(2.0)
 _U32, _U64, _F32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
 _SCALAR_TYPES = {
     "heads": _U32, "seq_q": _U32, "seq_k": _U32, "q_pitch": _U32, "kv_pitch": _U32, "out_pitch": _U32,
@@ -120,7 +118,7 @@ def attention_launch(plan: AttentionPlan) -> Launch:
     )
     scalars = {
         "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": kv_pitch,
-        "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * _LOG2_E,
+        "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * LOG2_E,
         "batch": batch,
     }  # fmt: skip
     device_index = out.device.index
@@ -134,7 +132,8 @@ def attention_launch(plan: AttentionPlan) -> Launch:
             )
         ]
         out_map = _out_map_at(plan)(pointers[3])
-        operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1]), (maps, out_map)
+        bias = 0 if plan.key_bias is None else plan.key_bias.data_ptr()
+        operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1], bias), (maps, out_map, plan.key_bias)
     else:
         geometry = Geometry(
             batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
@@ -205,7 +204,7 @@ def _operands(
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
 _OPERAND_KINDS = {
-    "pointers": (_U64,) * 6, "tensor_maps": (*_MAP_KINDS, None), "split_planes": (*_MAP_KINDS, _U64),
+    "pointers": (_U64,) * 6, "tensor_maps": (*_MAP_KINDS, None, _U64), "split_planes": (*_MAP_KINDS, _U64),
     "quantized": (*_MAP_KINDS, _U64, _U64, _U64, _U64),
 }  # fmt: skip
 

@@ -25,7 +25,7 @@ import torch
 
 from ..dtypes import COMPUTE_DTYPES, DTYPE_NAMES, DTYPES
 from . import nvrtc, runtime, tensor_maps
-from .geometry import SplitPlanes, Window, full_window
+from .geometry import LOG2_E, SplitPlanes, Window, full_window
 from .pass_rows import prepass_for
 from .registry import (
     KERNEL_CHOICES,
@@ -71,7 +71,8 @@ class AttentionPlan(NamedTuple):
     output dtype. `out`: the caller's destination (None: a new tensor), `out_dtype` its dtype. `lse`:
     `[B, Nq, H]` float32 or None; `key_lens`: int32 `[B]` or None; `window`: the rows computed; `scale`: the
     logit scale; `launch`: the kernel's launch with its arguments already filled (`plan_memo`'s replays), or None;
-    `split`: q, k, v already split (`plan_split_attention`; `query`, `key`, `value` are then None).
+    `split`: q, k, v already split (`plan_split_attention`; `query`, `key`, `value` are then None); `key_bias`:
+    the window's key bias as the kernel reads it (`log2_key_bias`), or None.
     """
 
     selection: Selection
@@ -89,6 +90,7 @@ class AttentionPlan(NamedTuple):
     scale: float
     launch: runtime.PreparedLaunch | None = None
     split: SplitPlanes | None = None
+    key_bias: torch.Tensor | None = None
 
 
 class Prepared(NamedTuple):
@@ -112,6 +114,7 @@ def plan_attention(
     lse: torch.Tensor | None = None,
     window: Window | None = None,
     key_lens: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """The plan for validated CUDA inputs.
 
@@ -127,6 +130,8 @@ def plan_attention(
             rest of `out` and `lse` is left as it is); default: all rows over all keys.
         key_lens: if given, `[B]` int32 contiguous: batch b attends the first `key_lens[b]` keys of
             the window (clamped to [0, window keys]); a batch with none gets rows of 0 and LSE -inf.
+        key_bias: if given, `[B, 1 or H, Nk]` float (checked): added to the scaled logits of every query row;
+            only kernels with key-bias builds take it (`selection.blocker` says which).
     """
     batch, heads, seq_q, head_dim = query.shape
     window = full_window(query, key) if window is None else window
@@ -147,6 +152,7 @@ def plan_attention(
         key_lens is not None,
         lse is not None,
         short_keys,
+        key_bias is not None,
     )
     shape = (batch, seq_q, heads * head_dim)
     out = None if out is None else _checked_out(out, shape, out_dtype, query.device)
@@ -159,9 +165,30 @@ def plan_attention(
         elif variant.spec.operands != "tensor_maps":
             query, key, value = (t.contiguous() for t in (query, key, value))
         written = _written(variant, shape, out, out_dtype, query.device)
+        if key_bias is not None:
+            key_bias = log2_key_bias(key_bias, heads, window, variant.key_rows)
     return AttentionPlan(
-        selection, function, prepass_function, query, key, value, written, out, out_dtype, lse, key_lens, window, scale
-    )
+        selection, function, prepass_function, query, key, value, written, out, out_dtype, lse, key_lens, window,
+        scale, key_bias=key_bias,
+    )  # fmt: skip
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def log2_key_bias(key_bias: torch.Tensor, heads: int, window: Window, key_rows: int) -> torch.Tensor:
+    """`key_bias` `[B, 1 or H, Nk]` as the key-bias builds read it (kernels/key_bias.cuh): float32
+    `[B * H, k_pad]`, the window's keys times log2(e), zero past them, k_pad = `key_rows` * ceil(window keys /
+    `key_rows`); no host sync. Finite values stay finite (clamped at -FLT_MAX: a row masked by finfo.min weighs
+    its keys alike, as in SDPA), -inf stays -inf (the key is dropped)."""
+    batch, keys = key_bias.shape[0], window.k_stop - window.k_start
+    bias = key_bias[:, :, window.k_start : window.k_stop].float()
+    padded = torch.empty((batch, heads, -(-keys // key_rows) * key_rows), dtype=torch.float32, device=key_bias.device)
+    logits = padded[:, :, :keys]
+    torch.mul(bias.expand(batch, heads, keys), LOG2_E, out=logits)
+    logits.clamp_(min=-_F32_MAX).masked_fill_(torch.isneginf(bias), float("-inf"))
+    padded[:, :, keys:] = 0.0
+    return padded.view(batch * heads, -1)
 
 
 def plan_split_attention(split: SplitPlanes, scale: float, kernel: str, out_dtype: torch.dtype) -> AttentionPlan:
@@ -230,11 +257,12 @@ _lock = threading.Lock()
 
 def resolve(
     kernel: str, in_dtype: torch.dtype, out_dtype: torch.dtype, head_dim: int, device_index: int, aligned: bool,
-    key_lens: bool = False, lse: bool = False, short_keys: bool = False,
+    key_lens: bool = False, lse: bool = False, short_keys: bool = False, key_bias: bool = False,
 ) -> Prepared:  # fmt: skip
     """The selection for these inputs on this device (`key_lens`: with per-batch key counts; `lse`: with
-    the log-sum-exp; `short_keys`: at most `registry.SHORT_KEYS` keys), its builds loaded, memoised."""
-    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse, short_keys)
+    the log-sum-exp; `short_keys`: at most `registry.SHORT_KEYS` keys; `key_bias`: with a bias per key), its
+    builds loaded, memoised."""
+    key = (kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_lens, lse, short_keys, key_bias)
     prepared = _resolved.get(key)
     if prepared is None:
         capability, shared_limit = nvrtc.device_facts(device_index)
@@ -248,6 +276,7 @@ def resolve(
             key_lens,
             lse,
             short_keys,
+            key_bias,
         )
         with _lock:
             prepared = _resolved[key] = _prepare(problem, kernel, device_index)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ..dtypes import HALF_DTYPES, KINDS
-from .tiling import BlockShape, fp8_smem, fp16x3_smem, wgmma_shape, wgmma_smem
+from .tiling import BlockShape, fp8_smem, fp16x3_smem, wgmma_bias_bytes, wgmma_shape, wgmma_smem
 
 MAX_HEAD_DIM = 384
 SHORT_KEYS = 2048
@@ -70,21 +70,23 @@ class KernelSpec:
         flags: further NVRTC options. `-ftz=true` (denormal intermediates flush to zero) is what
             CuPy compiled these kernels with before the registry; it is kept, explicitly, so that
             the same source gives the same machine code (without it 3xTF32 ran 1.5-5% slower).
-        operands: "pointers" (q, k, v, out, lse, key_lens), "tensor_maps" (TMA maps of q, k, v; out,
-            lse and key_lens pointers) or "split_planes" (`SPLIT` first turns f32 q, k, v into scaled
-            fp16 hi/lo planes; the kernel takes TMA maps of the planes, out, lse, key_lens and the
-            split's column maxima) or "quantized" (the quantising prepass first turns 16-bit q, k, v into
-            int8 q and k and 8-bit V^T with their scales, in the P.V scheme of the row's geometry "PV":
-            `QUANTIZE` for "0", E4M3 V; `QUANTIZE_U8` for "1", int8 V; the kernel takes TMA maps of the
-            codes, out, lse, key_lens, the q, k and v scales and q's logit shift from K smoothing). Every
-            pointer is the first row of the launch's window; lse and key_lens (per-batch key counts, int32)
-            may be null (0).
+        operands: "pointers" (q, k, v, out, lse, key_lens), "tensor_maps" (TMA maps of q, k, v; out, lse and key_lens
+            pointers; the output's map; the key bias, `plan.log2_key_bias`'s, or 0) or "split_planes" (`SPLIT` first
+            turns f32 q, k, v into scaled fp16 hi/lo planes; the kernel takes TMA maps of the planes, out, lse,
+            key_lens and the split's column maxima) or "quantized" (the quantising prepass first turns 16-bit q, k, v
+            into int8 q and k and 8-bit V^T with their scales, in the P.V scheme of the row's geometry "PV":
+            `QUANTIZE` for "0", E4M3 V; `QUANTIZE_U8` for "1", int8 V; the kernel takes TMA maps of the codes, out,
+            lse, key_lens, the q, k and v scales and q's logit shift from K smoothing). Every pointer is the first row
+            of the launch's window; lse and key_lens (per-batch key counts, int32) may be null (0).
         scalars: the trailing arguments, from `SCALARS`.
         persistent: the row also has a persistent build (`-D{prefix}PERSISTENT=1`, see `SHORT_KEYS`): one block
             per SM (at most one per work tile), each looping over work tiles of `rows_per_block` query rows of
             one head and batch; its other build (`PERSISTENT=0`) runs one block per work tile.
         persistent_geometry, persistent_shared_bytes: what the persistent build changes of `geometry` and
             `shared_bytes`.
+        key_bias_bytes: the row also has key-bias builds (`-D{prefix}KEY_BIAS=1`: an additive f32 bias per key
+            and plane, SDPA's float mask over keys; one block per work tile, no key counts), which take this
+            many more bytes of shared memory at a head_dim; None: it has none.
         head_dim_shapes: head_dim -> the `BlockShape` its builds launch with instead of the row's `threads`,
             `rows_per_block`, `geometry` and `persistent_geometry` (`shape`); `shared_bytes` already takes
             the head_dim.
@@ -118,6 +120,7 @@ class KernelSpec:
     persistent: bool = False
     persistent_geometry: Mapping[str, str] = field(default_factory=dict)
     persistent_shared_bytes: Callable[[int], int] | None = None
+    key_bias_bytes: Callable[[int], int] | None = None
     head_dim_shapes: Mapping[int, BlockShape] = field(default_factory=dict)
     beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
@@ -192,6 +195,7 @@ KERNELS: tuple[KernelSpec, ...] = (
         persistent=True,
         persistent_geometry=wgmma_shape(128).persistent_geometry,
         persistent_shared_bytes=functools.partial(wgmma_smem, persistent=True),
+        key_bias_bytes=wgmma_bias_bytes,
         head_dim_shapes={64: wgmma_shape(64)},
         beats_sdpa_on=(((9, 0), 64), ((9, 0), 128)),
     ),
@@ -280,7 +284,8 @@ class Variant:
     """One compiled flavour of a row: the spec at one head_dim and in/out dtypes; for the attention rows,
     with or without per-batch key counts (`key_lens`: `-D{prefix}KEY_LENS=1`; without, the kernel's code
     is what it was before key counts existed, and its key_lens argument is ignored); for rows that have one,
-    the persistent build (`persistent`) or the other."""
+    the persistent build (`persistent`) or the other; for rows with key-bias builds, with or without an additive
+    bias per key (`key_bias`: `-D{prefix}KEY_BIAS=1`, the one-block build without key counts)."""
 
     spec: KernelSpec
     head_dim: int
@@ -288,10 +293,12 @@ class Variant:
     out_dtype: str
     key_lens: bool = False
     persistent: bool = False
+    key_bias: bool = False
 
     @functools.cached_property
     def name(self) -> str:
         suffix = ("_keylens" if self.key_lens else "") + ("_persistent" if self.persistent else "")
+        suffix += "_keybias" if self.key_bias else ""
         return f"{self.spec.name}_d{self.head_dim}_{self.in_dtype}_to_{self.out_dtype}{suffix}"
 
     def defines(self) -> tuple[tuple[str, str], ...]:
@@ -305,6 +312,8 @@ class Variant:
             values["KEY_LENS"] = str(int(self.key_lens))
         if spec.persistent:
             values["PERSISTENT"] = str(int(self.persistent))
+        if spec.key_bias_bytes is not None:
+            values["KEY_BIAS"] = str(int(self.key_bias))
         if spec.smem_define:
             values["SMEM_BYTES"] = str(self.shared_bytes)
         values.update(self.geometry)
@@ -342,6 +351,8 @@ class Variant:
         spec = self.spec
         if self.persistent and spec.persistent_shared_bytes is not None:
             return spec.persistent_shared_bytes(self.head_dim)
+        if self.key_bias:
+            return spec.shared_bytes(self.head_dim) + spec.key_bias_bytes(self.head_dim)
         return spec.shared_bytes(self.head_dim)
 
     def options(self) -> tuple[str, ...]:
@@ -361,19 +372,25 @@ class Variant:
 
 
 def variant_for(
-    spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False, short_keys: bool = False
-) -> Variant:
+    spec: KernelSpec, head_dim: int, in_dtype: str, out_dtype: str, key_lens: bool = False, short_keys: bool = False,
+    key_bias: bool = False,
+) -> Variant:  # fmt: skip
     """The build of `spec` that computes `head_dim` (the scalar kernel rounds it up); `short_keys`: the call
-    attends at most `SHORT_KEYS` keys, which the row's persistent build runs where it has one."""
+    attends at most `SHORT_KEYS` keys, which the row's persistent build runs where it has one (not with a key
+    bias, which only the one-block build takes)."""
     if spec.name == "f32":
         head_dim = next(d for d in F32_BUILD_HEAD_DIMS if head_dim <= d)
-    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens, short_keys and spec.persistent)
+    persistent = short_keys and spec.persistent and not key_bias
+    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens, persistent, key_bias)
 
 
 def variants(spec: KernelSpec) -> tuple[Variant, ...]:
     """Every build of an attention row: head_dims x input dtypes x output dtypes it writes x without and
-    with key counts (x not persistent and persistent, for rows with a persistent build)."""
+    with key counts (x not persistent and persistent, for rows with a persistent build), and the key-bias builds
+    of rows that have them."""
     head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
     builds = [(d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i)]
-    flavours = [(k, p) for p in ((False, True) if spec.persistent else (False,)) for k in (False, True)]
-    return tuple(Variant(spec, *build, key_lens, persistent) for key_lens, persistent in flavours for build in builds)
+    flavours = [(k, p, False) for p in ((False, True) if spec.persistent else (False,)) for k in (False, True)]
+    if spec.key_bias_bytes is not None:
+        flavours.append((False, False, True))
+    return tuple(Variant(spec, *build, *flavour) for flavour in flavours for build in builds)

@@ -23,6 +23,7 @@ class Problem:
     `key_lens`: the call gives per-batch key counts (the kernels' key-count builds run it).
     `lse`: the call asks for the log-sum-exp (which torch's SDPA does not return).
     `short_keys`: the call attends at most `registry.SHORT_KEYS` keys (a row's persistent build runs it).
+    `key_bias`: the call adds a bias per key to the logits (only rows with key-bias builds take it).
     """
 
     in_dtype: str
@@ -34,6 +35,7 @@ class Problem:
     key_lens: bool = False
     lse: bool = False
     short_keys: bool = False
+    key_bias: bool = False
 
 
 SDPA = "sdpa"
@@ -67,7 +69,13 @@ def blocker(spec: KernelSpec, problem: Problem) -> str | None:
         return f"needs compute capability {spec.exact_capability}, the device has {problem.capability}"
     if problem.capability < spec.min_capability:
         return f"needs compute capability {spec.min_capability}+, the device has {problem.capability}"
-    needed = variant_for(spec, problem.head_dim, "float32", "float32", short_keys=problem.short_keys).shared_bytes
+    if problem.key_bias and spec.key_bias_bytes is None:
+        return "takes no key bias (float attention masks): only the wgmma kernel (Hopper, 16-bit) does"
+    if problem.key_bias and problem.key_lens:
+        return "takes a key bias or key counts, not both"
+    needed = variant_for(
+        spec, problem.head_dim, "float32", "float32", short_keys=problem.short_keys, key_bias=problem.key_bias
+    ).shared_bytes
     if needed > problem.shared_limit:
         return f"needs {needed} bytes of shared memory per block, the device allows {problem.shared_limit}"
     if spec.name != "f32" and not problem.aligned:
@@ -98,6 +106,8 @@ def _sdpa_blocker(problem: Problem) -> str | None:
         return "does not return the log-sum-exp"
     if problem.key_lens:
         return "gives NaN, not 0, for a batch with no keys"
+    if problem.key_bias:
+        return "is not handed pictor's key bias (the wgmma kernel adds it)"
     return None
 
 
@@ -127,7 +137,9 @@ def select_kernel(problem: Problem, kernel: str = "auto", disabled: Mapping[str,
         if reason is None:
             writes = spec.writes(in_dtype)
             out_dtype = problem.out_dtype if problem.out_dtype in writes else writes[0]
-            variant = variant_for(spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens, problem.short_keys)
+            variant = variant_for(
+                spec, problem.head_dim, in_dtype, out_dtype, problem.key_lens, problem.short_keys, problem.key_bias
+            )
             return Selection(variant, upcast, tuple(rejected))
         rejected.append((spec.name + (" (upcast)" if upcast else ""), reason))
     reasons = "; ".join(f"{name}: {reason}" for name, reason in rejected)

@@ -27,6 +27,7 @@ HEADERS = (
     "sm90_pipeline.cuh",
     "sm90_wgmma.cuh",
     "sm90_store.cuh",
+    "key_bias.cuh",
 )
 """Headers a kernel may `#include "..."` (`common.cuh`'s opening comment gives each one's role);
 NVRTC gets them all in memory."""

@@ -62,6 +62,12 @@ def wgmma_smem(d: int, persistent: bool = False) -> int:
     return 1024 + q_tiles * rows * d * 2 + 2 * ring.stages * ring.keys * d * 2 + 8 * (4 + 4 * ring.stages)
 
 
+def wgmma_bias_bytes(d: int) -> int:
+    """What the one-block build's key-bias flavour adds (`WG_KEY_BIAS=1`): a row of f32 biases per K/V stage."""
+    _, ring, _ = _WGMMA_TILES[d]
+    return ring.stages * ring.keys * 4
+
+
 def fp16x3_smem(d: int) -> int:
     """Q hi + lo (128 rows), two stages of K and V hi + lo (64 rows), mbarriers."""
     return 1024 + 2 * 128 * d * 2 + 2 * 4 * 64 * d * 2 + 8 * (1 + 4 * 2)

@@ -8,9 +8,11 @@ token-major `[B, Nq, H*D]` output is returned as a `[B, Nq, H, D]` view, without
 
 Served: non-causal attention without dropout, any Nq and Nk (Wan's text cross-attention), equal
 q/k/v heads and head_dim (1..384), float32 / bfloat16 / float16 on CPU or CUDA, inference (no autograd
-recording), key-padding masks (`key_padding.padding_of`, read once per mask object: Qwen-Image's boolean
-`[B, 1, 1, Nk]` text-padding mask, holes anywhere; LTX-Video's additive float `[B, H, 1, Nk]` mask of 0 and
--10000), and
+recording), float masks the same for every query row (LTX-Video's additive `[B, H, 1, Nk]` mask of 0 and
+-10000, any other bias per key) as a key bias where the kernel adds one (`mask_bias`: the Hopper 16-bit kernel
+and the CPU twins; no read, no host sync), key-padding masks otherwise (`key_padding.padding_of`, read once per
+mask object: Qwen-Image's boolean `[B, 1, 1, Nk]` text-padding mask, holes anywhere; float ones of 0 and
+<= -1000), and
 context parallelism (`_parallel_config`) without a mask: diffusers' own Ulysses / ring /
 unified templates run around pictor's kernel, the ring merging by pictor's log-sum-exp. A key-padding mask
 costs at most one gather of k and v (none when padding sits at the end), putting each batch's kept keys first,
@@ -38,6 +40,7 @@ from ..ops.attention import attention, memo_key
 from ..ops.custom_ops import no_backward
 from ..ops.validation import MAX_PLANES, MAX_SEQ, OUT_DTYPE_CHOICES, check_scale
 from .key_padding import DROPPED_AT, KeyPadding, padding_of
+from .mask_bias import key_bias_of, takes_key_bias
 
 _MAX_GRID = 65535
 _WARNED: set[str] = set()
@@ -57,18 +60,19 @@ def _unsupported(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    padding: KeyPadding | None,
+    mask_served: bool,
     dropout_p: float,
     is_causal: bool,
     scale: float | None,
 ) -> tuple[str, str] | None:
     """(reason key, what it is) when pictor's kernels cannot serve the call, else None
-    (`padding`: `attn_mask` as `key_padding.padding_of` reads it)."""
-    if attn_mask is not None and padding is None:
+    (`mask_served`: `attn_mask` is served, as a key bias or as key padding)."""
+    if attn_mask is not None and not mask_served:
         shape, dtype = tuple(attn_mask.shape), attn_mask.dtype
         if attn_mask.is_floating_point():
             rule = f"0 kept, <= {DROPPED_AT:g} dropped, alike over heads and queries, a key kept per batch"
-            return "float_attn_mask", f"float masks other than key padding ({rule}; attn_mask {dtype} {shape})"
+            what = "float masks that vary over queries, or, where the kernel adds no key bias, other than key padding"
+            return "float_attn_mask", f"{what} ({rule}; attn_mask {dtype} {shape})"
         return "attn_mask", f"attention masks other than boolean key padding (attn_mask {dtype} {shape})"
     if is_causal:
         return "is_causal", "causal attention (is_causal=True)"
@@ -165,8 +169,10 @@ def _runnable(kernel: str, compute: torch.dtype, tensors: tuple[torch.Tensor, ..
 def _serve(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, compute: torch.dtype,
     kernel: str, return_lse: bool, padding: KeyPadding | None = None, replay_key: tuple | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> Output:  # fmt: skip
-    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a key-padding mask, `key_padding.padding_of`'s) -> pictor
+    """q `[B, Nq, H, D]`, k, v `[B, Nk, H, D]` (and a key-padding mask, `key_padding.padding_of`'s, or a key bias
+    `[B, 1 or H, Nk]`, `mask_bias.key_bias_of`'s) -> pictor
     attention with `kernel` ("auto", or an 8-bit kernel where it can run) -> `[B, Nq, H, D]` in the inputs'
     dtype (and the LSE `[B, Nq, H]` float32 when asked).
 
@@ -186,9 +192,11 @@ def _serve(
         v = _gathered(value, padding.rows, compute) if gather else _head_major(value, compute)
         key_lens = padding.key_lens
     out_dtype = dtype if compute == torch.float32 else compute
-    result = attention(q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens, kernel=kernel)
+    result = attention(
+        q, k, v, scale, out_dtype=out_dtype, return_lse=return_lse, key_lens=key_lens, key_bias=key_bias, kernel=kernel
+    )
     out, lse = result if return_lse else (result, None)
-    if replay_key is not None and padding is None and dtype == compute:  # q, k, v: views of the caller's
+    if replay_key is not None and padding is None and key_bias is None and dtype == compute:  # views of the caller's
         plan_memo.alias(replay_key, plan_memo.call_key(q, k, v, scale, kernel, out_dtype))
     out = (out if out.dtype == dtype else out.to(dtype)).view(batch, seq, heads, head_dim)
     return (out, lse) if return_lse else out
@@ -243,10 +251,15 @@ def make_backend(
             replayed = None if fast is None else plan_memo.launch_replay(fast, query.shape)
             if replayed is not None:
                 return replayed
-        padding = None
+        padding = bias = None
         if attn_mask is not None:
-            padding = padding_of(attn_mask, query.shape[0], query.shape[-2], key.shape[1])
-        problem = _unsupported(query, key, value, attn_mask, padding, dropout_p, is_causal, scale)
+            batch, heads, seq_k = query.shape[0], query.shape[-2], key.shape[1]
+            bias = key_bias_of(attn_mask, batch, heads, seq_k)
+            if bias is not None and not takes_key_bias(kernel, compute, (query, key, value)):
+                bias = None
+            padding = None if bias is not None else padding_of(attn_mask, batch, heads, seq_k)
+        served = padding is not None or bias is not None
+        problem = _unsupported(query, key, value, attn_mask, served, dropout_p, is_causal, scale)
         if problem is None and _parallel_config is not None and template is None:
             problem = ("parallel_config", "context parallelism (this diffusers has no context-parallel template)")
         if problem is None and _parallel_config is not None and attn_mask is not None:
@@ -265,8 +278,8 @@ def make_backend(
                 )
             if _profiling():
                 with torch.profiler.record_function("pictor::attention"):
-                    return _serve(query, key, value, scale, compute, chosen, return_lse, padding)
-            return _serve(query, key, value, scale, compute, chosen, return_lse, padding, fast)
+                    return _serve(query, key, value, scale, compute, chosen, return_lse, padding, key_bias=bias)
+            return _serve(query, key, value, scale, compute, chosen, return_lse, padding, fast, bias)
         reason, detail = problem
         if return_lse:
             raise NotImplementedError(

@@ -23,7 +23,7 @@ from ..cuda.plan import check_kernel_choice, plan_attention
 from ..dtypes import DTYPE_NAMES, DTYPES
 from .custom_ops import inference_op, needs_op
 from .reference import twin_attention
-from .validation import check_attention_inputs, check_flag, check_key_lens, check_scale
+from .validation import check_attention_inputs, check_flag, check_key_bias, check_key_lens, check_scale
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -41,6 +41,7 @@ def _attention_op_fake(
     kernel: str,
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, heads, seq, head_dim = query.shape
     return query.new_empty((batch, seq, heads * head_dim), dtype=DTYPES[out_dtype])
@@ -55,8 +56,11 @@ def _attention_op(
     kernel: str,
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return attention(query, key, value, scale, out_dtype=_dtype(out_dtype), kernel=kernel, key_lens=key_lens)
+    return attention(
+        query, key, value, scale, out_dtype=_dtype(out_dtype), kernel=kernel, key_lens=key_lens, key_bias=key_bias
+    )
 
 
 def _attention_lse_op_fake(
@@ -67,6 +71,7 @@ def _attention_lse_op_fake(
     kernel: str,
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seq, _ = query.shape
     return _attention_op_fake(query, key, value, scale, kernel, out_dtype), query.new_empty(
@@ -83,10 +88,12 @@ def _attention_lse_op(
     kernel: str,
     out_dtype: str,
     key_lens: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return attention(
-        query, key, value, scale, out_dtype=_dtype(out_dtype), kernel=kernel, return_lse=True, key_lens=key_lens
-    )
+        query, key, value, scale, out_dtype=_dtype(out_dtype), kernel=kernel, return_lse=True, key_lens=key_lens,
+        key_bias=key_bias,
+    )  # fmt: skip
 
 
 def attention(
@@ -99,8 +106,10 @@ def attention(
     kernel: str = "auto",
     return_lse: bool = False,
     key_lens: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal scaled-dot-product attention (inference only), with optional per-batch key counts.
+    """Non-causal scaled-dot-product attention (inference only), with optional per-batch key counts or a
+    bias per key.
 
     Args:
         query: `[B, H, Nq, D]`; key, value: `[B, H, Nk, D]`; one dtype, all on one
@@ -126,10 +135,15 @@ def attention(
             A key-padding mask becomes this by moving each batch's kept keys to the front
             (`pictor_diffusers.integration.dispatcher_call` does so for diffusers' masks). A batch with no keys
             gets outputs of 0 and LSE -inf.
+        key_bias: None, or a float `[B, 1 or H, Nk]` tensor on the inputs' device (any strides, any float
+            dtype), added to every query row's scaled logits, as SDPA adds a float `attn_mask` of shape
+            `[B, 1 or H, 1, Nk]`: 0 keeps a key, -inf drops it, any other value biases it (a row whose keys
+            are all -inf gets outputs of 0 and LSE -inf). Not with `key_lens`. On CUDA the wgmma kernel
+            (Hopper, bfloat16 / float16) takes it; other kernels raise. No host sync.
 
     Returns:
         token-major `[B, Nq, H*D]` on the inputs' device:
-        `out[b, n, h*D + d] = softmax(scale * q k^T)[b, h, n, :] @ v[b, h, :, d]`;
+        `out[b, n, h*D + d] = softmax(scale * q k^T + bias)[b, h, n, :] @ v[b, h, :, d]`;
         with `return_lse`, `(out, lse)`.
 
     Precision: the parity path keeps f32 accuracy end to end (max-abs about
@@ -143,13 +157,14 @@ def attention(
     (`pictor_diffusers.ops.reference`); "int8" and "fp8" run their quantised twins
     (`pictor_diffusers.ops.quant_reference.kernel_twin`), at the kernels' head_dim 128 only.
     """
-    call = memo_key(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
+    call = None if key_bias is not None else memo_key(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
     if call is not None:
         replayed = plan_memo.launch_replay(call)
         if replayed is not None:
             return replayed
     check_attention_inputs(query, key, value)
     check_key_lens(key_lens, query)
+    check_key_bias(key_bias, query, key, key_lens)
     out_dtype = query.dtype if out_dtype is None else out_dtype
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     check_scale(scale)
@@ -159,16 +174,18 @@ def attention(
     if needs_op(query, key, value):
         name = DTYPE_NAMES[out_dtype]
         op = torch.ops.pictor.attention_lse if return_lse else torch.ops.pictor.attention
-        return op(query, key, value, scale, kernel, name, key_lens)
+        return op(query, key, value, scale, kernel, name, key_lens, key_bias)
     if query.device.type == "cuda":
         batch, heads, seq_q, _ = query.shape
         lse = torch.empty((batch, seq_q, heads), dtype=torch.float32, device=query.device) if return_lse else None
-        plan = plan_attention(query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens)
+        plan = plan_attention(
+            query, key, value, scale, kernel, out_dtype, lse=lse, key_lens=key_lens, key_bias=key_bias
+        )
         if call is not None:
             plan = plan_memo.remember(call, plan, query, key, value, key_lens)
         out = run(plan)
         return (out, lse) if return_lse else out
-    return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens)
+    return twin_attention(query, key, value, scale, kernel, out_dtype, return_lse, key_lens, key_bias)
 
 
 def memo_key(

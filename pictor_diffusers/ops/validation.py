@@ -75,6 +75,28 @@ def check_key_lens(key_lens: torch.Tensor | None, query: torch.Tensor) -> None:
         raise ValueError(f"key_lens is on {key_lens.device} but query is on {query.device}; all must share a device")
 
 
+def check_key_bias(
+    key_bias: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, key_lens: torch.Tensor | None
+) -> None:
+    """Raise ValueError/TypeError unless `key_bias` is None or a floating-point `[B, 1 or H, Nk]` tensor (any
+    strides) on query's device, given without key counts (a bias of -inf drops a key, so counts fold into it)."""
+    if key_bias is None:
+        return
+    if not isinstance(key_bias, torch.Tensor):
+        raise TypeError(f"key_bias must be a torch.Tensor or None, got {type(key_bias).__name__}")
+    if not key_bias.is_floating_point():
+        raise TypeError(f"key_bias must be a floating-point tensor, got {key_bias.dtype}")
+    batch, heads, seq_k = query.shape[0], query.shape[1], key.shape[2]
+    if key_bias.dim() != 3 or key_bias.shape[::2] != (batch, seq_k) or key_bias.shape[1] not in (1, heads):
+        raise ValueError(
+            f"key_bias must be [B, 1 or H, Nk] = [{batch}, 1 or {heads}, {seq_k}], got shape {tuple(key_bias.shape)}"
+        )
+    if key_bias.device != query.device:
+        raise ValueError(f"key_bias is on {key_bias.device} but query is on {query.device}; all must share a device")
+    if key_lens is not None:
+        raise ValueError("key_bias and key_lens cannot be given together: set the bias to -inf past each batch's keys")
+
+
 def check_split_planes(split: SplitPlanes) -> None:
     """Raise TypeError/ValueError unless `split` is what the split prologue makes (the attention kernel reads
     it by these sizes, unchecked): contiguous 16-byte aligned float16 planes of `split_halves` elements and
