@@ -125,8 +125,9 @@ def run_key_lens_cases(kernels: list[str], dtypes: list[torch.dtype]) -> bool:
 
 
 def run_key_bias_cases(dtypes: list[torch.dtype]) -> bool:
-    """The wgmma kernel's key-bias builds, head_dim 64 and 128, 2100 and 181 keys (176- and 128-key tiles with a
-    partial last one): N(0, 9) biases, batch 0's leading and trailing tiles -inf, batch 1 all -inf (rows of 0),
+    """The wgmma kernel's key-bias builds, head_dim 64 and 128: 2100 keys (the one-block build) and 181 (the
+    persistent one), each ending in a partial key tile; N(0, 9) biases, batch 0's leading and trailing tiles -inf,
+    batch 1 all -inf (rows of 0),
     against float64 SDPA with the bias as its mask."""
     ok = True
     for dtype, head_dim, seq_k in itertools.product(dtypes, (64, 128), (2100, 181)):

@@ -30,9 +30,9 @@
    the finished tile's rows are then rounded (epilogue.cuh) and stored.
    WG_PERSISTENT=0: one block per work tile, which the hardware schedules
    (measured faster on long key sequences), with 176-key tiles at WG_D =
-   128: 27% fewer tiles pay the per-tile costs (expected faster). Its
-   WG_KEY_BIAS=1 build adds a per-key bias to the logits (SDPA's float mask
-   over keys; key_bias.cuh): the producer copies each key tile's biases
+   128: 27% fewer tiles pay the per-tile costs (expected faster). Both have
+   WG_KEY_BIAS=1 builds, which add a per-key bias to the logits (SDPA's float
+   mask over keys; key_bias.cuh): the producer copies each key tile's biases
    beside its K tile, the consumers add them before the softmax.
    Stores: each consumer warpgroup stages its rounded rows in shared memory
    (stmatrix) and one of its threads writes them with bulk tensor copies
@@ -138,7 +138,7 @@ static_assert(WG_BK == 128 || (WG_BK == 176 && WG_CONSUMERS == 2),
 static_assert(WG_THREADS == 128 * (1 + WG_CONSUMERS),
               "WG_THREADS must be 128 x (1 + WG_BQ / 64): one producer and the consumer warpgroups");
 static_assert(WG_STAGES >= 1, "WG_STAGES: at least one K/V stage");
-static_assert(!WG_KEY_BIAS || (!WG_PERSISTENT && !WG_KEY_LENS), "key biases: the one-block build without key counts");
+static_assert(!WG_KEY_BIAS || !WG_KEY_LENS, "key biases come without key counts");
 static_assert(WG_SMEM_BYTES == 1024 + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES + WG_O_BUFS * WG_Q_BYTES + WG_BIAS_BYTES
                                    + WG_BARRIER_BYTES,
               "WG_SMEM_BYTES disagrees with the kernel's Q tiles | K | V stages | output tile | biases | mbarriers");
@@ -201,6 +201,12 @@ __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tenso
         first);
 }
 
+/* The first key bias of work tile t's plane (WG_KEY_BIAS builds: planes of WG_BK ceil(seq_k / WG_BK) floats). */
+__device__ __forceinline__ const float* wg_plane_bias(const float* key_bias, const wg_schedule& sched, const pk_work& t)
+{
+    return key_bias + ((unsigned long long)t.batch * sched.num_heads + t.head) * t.n_tiles * WG_BK;
+}
+
 /* The producer thread: each work tile with keys, the ring running on across them (persistent build). */
 __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
                                            const pk_tensor_map* tm_v, const float* key_bias,
@@ -211,15 +217,13 @@ __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map
     for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
         const pk_work t = sched.at(w);
         if (!sched.has_keys(t)) continue;
-        wg_produce_tile(m, tm_q, tm_k, tm_v, nullptr, t, first, round);
+        wg_produce_tile(m, tm_q, tm_k, tm_v, wg_plane_bias(key_bias, sched, t), t, first, round);
         first += t.n_tiles;
         round++;
     }
 #else
     const pk_work t = sched.own();
-    const unsigned long long plane = (unsigned long long)t.batch * sched.num_heads + t.head;
-    const float* bias = key_bias + plane * t.n_tiles * WG_BK;   /* used by the WG_KEY_BIAS build only */
-    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, bias, t, 0, 0);
+    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, wg_plane_bias(key_bias, sched, t), t, 0, 0);
 #endif
 }
 
@@ -373,7 +377,7 @@ __device__ __forceinline__ void wg_consume_persistent(const wg_smem& m, const wg
         wg_first_keys<true>(m, a, m_run, l_run, t, first, round, scale_log2);
         pk_pack_p<WG_IN_KIND, WG_BK>(a.p, a.s);
         pk_out_rows<WG_D> done;
-        pk_round_out<WG_IN_KIND, WG_D>(done, a.o, a.m_run, a.l_run, held);   /* with the held tile's softmax state */
+        pk_round_out<WG_IN_KIND, WG_D, WG_KEY_BIAS>(done, a.o, a.m_run, a.l_run, held);   /* with the held tile's softmax state */
         wg_store_rows(done, m.o(), dst);
         wg_zero_o(a);
         #pragma unroll

@@ -5,8 +5,8 @@ N(0, 3²) biases, key padding by -inf with whole leading and trailing key tiles 
 have no finite score), LTX-Video's -10000, a row of only -inf keys (output 0, LSE -inf, as SDPA's safe softmax
 gives), finfo.min on every key of a batch (finite: its keys weigh alike, as in SDPA). Key counts are no multiple
 of the kernels' 128- or 176-key tiles, and below one tile. On CPU the twin runs; on CUDA the wgmma kernel's
-key-bias builds (head_dim 64 and 128, bf16 and fp16), bounded by SDPA's own 16-bit error on the same call, into
-outputs poisoned with NaN, with no host sync.
+key-bias builds (persistent and one-block, head_dim 64 and 128, bf16 and fp16), bounded by SDPA's own 16-bit error
+on the same call, with no host sync; and through a plan into an output poisoned with NaN.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pictor_diffusers.cuda.plan import cannot_run
 from pictor_diffusers.testing.references import random_qkv
 
 PATTERNS = ["normal", "padding", "ltx", "empty-row", "finfo-min"]
-# (B, H, Nq, Nk): Nk past one 176-key tile and not a multiple of 128; Nk below one tile; several tiles.
-SHAPES = [(2, 3, 77, 300), (1, 2, 200, 45), (2, 2, 150, 1000)]
+# (B, H, Nq, Nk): the persistent builds (at most 2048 keys): Nk not a multiple of 128, Nk below one tile; the
+# one-block builds: 2300 keys, 13 tiles of 176 (head_dim 128) and a partial one.
+SHAPES = [(2, 3, 77, 300), (1, 2, 200, 45), (2, 2, 150, 2300)]
 _ID = "B{}-H{}-Nq{}-Nk{}".format
 
 
@@ -134,21 +135,23 @@ def test_wgmma_key_bias(shape, pattern: str, per_head: bool, head_dim: int, dtyp
 
 
 @pytest.mark.gpu
-def test_wgmma_key_bias_writes_every_row() -> None:
-    """Into an output poisoned with NaN: every row written (the keyless rows too), through a plan."""
+@pytest.mark.parametrize("seq_k", [181, 2300])
+def test_wgmma_key_bias_writes_every_row(seq_k: int) -> None:
+    """Into an output poisoned with NaN: every row written (the rows of only -inf keys too), through a plan, by the
+    persistent build (181 keys) and the one-block build (2300)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from pictor_diffusers.cuda.launch import run
     from pictor_diffusers.cuda.plan import plan_attention
 
-    query, key, value = inputs((2, 3, 333, 181, 128), torch.bfloat16, "cuda")
+    query, key, value = inputs((2, 3, 333, seq_k, 128), torch.bfloat16, "cuda")
     reason = cannot_run("wgmma", query, key, value)
     if reason is not None:
         pytest.skip(f"wgmma cannot run here: {reason}")
-    bias = make_bias("empty-row", 2, 3, 181, False, "cuda")
+    bias = make_bias("empty-row", 2, 3, seq_k, False, "cuda")
     out = torch.full((2, 333, 3 * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     plan = plan_attention(query, key, value, 128**-0.5, "wgmma", torch.bfloat16, out=out, key_bias=bias)
-    assert plan.selection.variant.key_bias and not plan.selection.variant.persistent
+    assert plan.selection.variant.key_bias and plan.selection.variant.persistent == (seq_k <= 2048)
     run(plan)
     want, _ = expected(query, key, value, bias)
     assert not out.isnan().any() and (out[1] == 0).all()

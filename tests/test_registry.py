@@ -188,7 +188,7 @@ def test_variants_carry_their_whole_geometry(spec: object) -> None:
             assert int(defines[prefix + "SMEM_BYTES"]) == variant.shared_bytes
         persistent_bytes = spec.persistent_shared_bytes
         expected_bytes = persistent_bytes if variant.persistent and persistent_bytes else spec.shared_bytes
-        bias_bytes = spec.key_bias_bytes(variant.head_dim) if variant.key_bias else 0
+        bias_bytes = spec.key_bias_bytes(variant.head_dim, variant.persistent) if variant.key_bias else 0
         assert variant.shared_bytes == expected_bytes(variant.head_dim) + bias_bytes
         assert len(set(variant.options())) == len(variant.options())
         assert defines[prefix + "KEY_LENS"] == str(int(variant.key_lens))
@@ -296,20 +296,23 @@ def test_short_key_sequences_select_the_persistent_build(short_keys: bool, key_l
     assert not mma16.persistent and not any("PERSISTENT" in option for option in mma16.options())
 
 
-def test_key_bias_builds_are_the_wgmma_one_block_builds() -> None:
-    """Only the wgmma row has key-bias builds: one per head_dim and dtype, one block per work tile, without key
-    counts, each with -DWG_KEY_BIAS=1 (every other wgmma build: 0) and a row of f32 biases per K/V stage."""
+def test_key_bias_builds_are_wgmma_builds() -> None:
+    """Only the wgmma row has key-bias builds: one per head_dim, dtype and persistence, without key counts, each
+    with -DWG_KEY_BIAS=1 (every other wgmma build: 0) and a row of f32 biases per K/V stage; the persistent
+    head_dim-128 one still fits the 227 KiB of shared memory a Hopper block may have."""
     for spec in KERNELS:
         biased = [v for v in variants(spec) if v.key_bias]
         if spec.name != "wgmma":
             assert not biased and spec.key_bias_bytes is None
             continue
-        assert {(v.head_dim, v.in_dtype) for v in biased} == {(d, i) for d in (64, 128) for i in spec.in_dtypes}
+        expected = {(d, i, p) for d in (64, 128) for i in spec.in_dtypes for p in (False, True)}
+        assert {(v.head_dim, v.in_dtype, v.persistent) for v in biased} == expected
+        assert max(v.shared_bytes for v in biased) == 231_520 <= 227 * 1024
         for variant in variants(spec):
             defines = dict(variant.defines())
             assert defines["WG_KEY_BIAS"] == str(int(variant.key_bias))
             if variant.key_bias:
-                assert not (variant.persistent or variant.key_lens) and variant.name.endswith("_keybias")
+                assert not variant.key_lens and variant.name.endswith("_keybias")
                 plain = replace(variant, key_bias=False)
                 keys, stages = variant.key_rows, int(defines["WG_STAGES"])
                 assert variant.shared_bytes == plain.shared_bytes + keys * stages * 4
@@ -317,12 +320,12 @@ def test_key_bias_builds_are_the_wgmma_one_block_builds() -> None:
 
 @pytest.mark.parametrize("short_keys", [False, True], ids=["long", "short"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_a_key_bias_runs_the_one_block_wgmma_build(head_dim: int, short_keys: bool) -> None:
-    """On Hopper a 16-bit call with a key bias runs the wgmma key-bias build (never the persistent one, never
-    SDPA); on Ampere, and with key counts too, no kernel takes it and the error says why."""
+def test_a_key_bias_runs_a_wgmma_key_bias_build(head_dim: int, short_keys: bool) -> None:
+    """On Hopper a 16-bit call with a key bias runs a wgmma key-bias build (persistent for short keys, as without
+    a bias; never SDPA); on Ampere, in float32, and with key counts too, no kernel takes it and the error says why."""
     hopper = Problem("bfloat16", "bfloat16", head_dim, (9, 0), 232_448, short_keys=short_keys, key_bias=True)
     variant = select_kernel(hopper).variant
-    assert variant.spec.name == "wgmma" and variant.key_bias and not variant.persistent
+    assert variant.spec.name == "wgmma" and variant.key_bias and variant.persistent == short_keys
     with pytest.raises(NoKernelError, match="takes no key bias"):
         select_kernel(replace(hopper, capability=(8, 0)))
     with pytest.raises(NoKernelError, match="a key bias or key counts, not both"):

@@ -85,8 +85,8 @@ class KernelSpec:
         persistent_geometry, persistent_shared_bytes: what the persistent build changes of `geometry` and
             `shared_bytes`.
         key_bias_bytes: the row also has key-bias builds (`-D{prefix}KEY_BIAS=1`: an additive f32 bias per key
-            and plane, SDPA's float mask over keys; one block per work tile, no key counts), which take this
-            many more bytes of shared memory at a head_dim; None: it has none.
+            and plane, SDPA's float mask over keys; without key counts), which take this many more bytes of shared
+            memory at (head_dim, persistent); None: it has none.
         head_dim_shapes: head_dim -> the `BlockShape` its builds launch with instead of the row's `threads`,
             `rows_per_block`, `geometry` and `persistent_geometry` (`shape`); `shared_bytes` already takes
             the head_dim.
@@ -120,7 +120,7 @@ class KernelSpec:
     persistent: bool = False
     persistent_geometry: Mapping[str, str] = field(default_factory=dict)
     persistent_shared_bytes: Callable[[int], int] | None = None
-    key_bias_bytes: Callable[[int], int] | None = None
+    key_bias_bytes: Callable[[int, bool], int] | None = None
     head_dim_shapes: Mapping[int, BlockShape] = field(default_factory=dict)
     beats_sdpa_on: tuple[tuple[tuple[int, int], int], ...] | None = None
 
@@ -285,7 +285,7 @@ class Variant:
     with or without per-batch key counts (`key_lens`: `-D{prefix}KEY_LENS=1`; without, the kernel's code
     is what it was before key counts existed, and its key_lens argument is ignored); for rows that have one,
     the persistent build (`persistent`) or the other; for rows with key-bias builds, with or without an additive
-    bias per key (`key_bias`: `-D{prefix}KEY_BIAS=1`, the one-block build without key counts)."""
+    bias per key (`key_bias`: `-D{prefix}KEY_BIAS=1`, without key counts)."""
 
     spec: KernelSpec
     head_dim: int
@@ -349,11 +349,10 @@ class Variant:
     def shared_bytes(self) -> int:
         """Dynamic shared memory per block of this build."""
         spec = self.spec
+        bias = spec.key_bias_bytes(self.head_dim, self.persistent) if self.key_bias else 0
         if self.persistent and spec.persistent_shared_bytes is not None:
-            return spec.persistent_shared_bytes(self.head_dim)
-        if self.key_bias:
-            return spec.shared_bytes(self.head_dim) + spec.key_bias_bytes(self.head_dim)
-        return spec.shared_bytes(self.head_dim)
+            return spec.persistent_shared_bytes(self.head_dim) + bias
+        return spec.shared_bytes(self.head_dim) + bias
 
     def options(self) -> tuple[str, ...]:
         """NVRTC options that select this variant: its defines and the row's flags (no arch flag)."""
@@ -376,21 +375,18 @@ def variant_for(
     key_bias: bool = False,
 ) -> Variant:  # fmt: skip
     """The build of `spec` that computes `head_dim` (the scalar kernel rounds it up); `short_keys`: the call
-    attends at most `SHORT_KEYS` keys, which the row's persistent build runs where it has one (not with a key
-    bias, which only the one-block build takes)."""
+    attends at most `SHORT_KEYS` keys, which the row's persistent build runs where it has one."""
     if spec.name == "f32":
         head_dim = next(d for d in F32_BUILD_HEAD_DIMS if head_dim <= d)
-    persistent = short_keys and spec.persistent and not key_bias
-    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens, persistent, key_bias)
+    return Variant(spec, head_dim, in_dtype, out_dtype, key_lens, short_keys and spec.persistent, key_bias)
 
 
 def variants(spec: KernelSpec) -> tuple[Variant, ...]:
     """Every build of an attention row: head_dims x input dtypes x output dtypes it writes x without and
-    with key counts (x not persistent and persistent, for rows with a persistent build), and the key-bias builds
-    of rows that have them."""
+    with key counts (x not persistent and persistent, for rows with a persistent build), and with a key bias
+    instead (rows with key-bias builds)."""
     head_dims = F32_BUILD_HEAD_DIMS if spec.name == "f32" else spec.head_dims
     builds = [(d, i, o) for d in head_dims for i in spec.in_dtypes for o in spec.writes(i)]
-    flavours = [(k, p, False) for p in ((False, True) if spec.persistent else (False,)) for k in (False, True)]
-    if spec.key_bias_bytes is not None:
-        flavours.append((False, False, True))
+    counts = ((False, False), (True, False)) + (((False, True),) if spec.key_bias_bytes is not None else ())
+    flavours = [(k, p, b) for p in ((False, True) if spec.persistent else (False,)) for k, b in counts]
     return tuple(Variant(spec, *build, *flavour) for flavour in flavours for build in builds)

@@ -62,9 +62,10 @@ def wgmma_smem(d: int, persistent: bool = False) -> int:
     return 1024 + q_tiles * rows * d * 2 + 2 * ring.stages * ring.keys * d * 2 + 8 * (4 + 4 * ring.stages)
 
 
-def wgmma_bias_bytes(d: int) -> int:
-    """What the one-block build's key-bias flavour adds (`WG_KEY_BIAS=1`): a row of f32 biases per K/V stage."""
-    _, ring, _ = _WGMMA_TILES[d]
+def wgmma_bias_bytes(d: int, persistent: bool = False) -> int:
+    """What a build's key-bias flavour adds (`WG_KEY_BIAS=1`): a row of f32 biases per K/V stage of its ring."""
+    _, ring, persistent_ring = _WGMMA_TILES[d]
+    ring = persistent_ring if persistent else ring
     return ring.stages * ring.keys * 4
 
 
