@@ -244,7 +244,10 @@ __device__ __forceinline__ void wg_softmax(const wg_smem& m, float* s, float* m_
                                            unsigned int st, unsigned int key0, unsigned int seq_k, float scale_log2)
 {
     const unsigned int t = threadIdx.x & 3u;
-    if (WG_KEY_BIAS) pk_add_bias<WG_BK / 8>(s, m.bias(st), scale_log2, t);
+    if (WG_KEY_BIAS) {
+        pk_add_bias<WG_BK / 8>(s, m.bias(st), scale_log2, t);
+        __syncwarp();   /* every lane's reads of the biases before lane 0 frees the stage */
+    }
     m.free_k(st);
     pk_mask_tail<WG_BK / 8>(s, key0, seq_k, t);
     pk_online_softmax<WG_BK / 8, 1, true, WG_KEY_BIAS>(s, m_run, l_run, corr, WG_KEY_BIAS ? 1.f : scale_log2);

@@ -179,14 +179,16 @@ _F32_MAX = torch.finfo(torch.float32).max
 def log2_key_bias(key_bias: torch.Tensor, heads: int, window: Window, key_rows: int) -> torch.Tensor:
     """`key_bias` `[B, 1 or H, Nk]` as the key-bias builds read it (kernels/key_bias.cuh): float32
     `[B * H, k_pad]`, the window's keys times log2(e), zero past them, k_pad = `key_rows` * ceil(window keys /
-    `key_rows`); no host sync. Finite values stay finite (clamped at -FLT_MAX: a row masked by finfo.min weighs
-    its keys alike, as in SDPA), -inf stays -inf (the key is dropped)."""
+    `key_rows`); no host sync. Finite values stay finite (clamped to +-FLT_MAX: a row masked by finfo.min weighs
+    its keys alike, as in SDPA, though its LSE saturates at -FLT_MAX ln 2), infinities stay infinite (-inf drops
+    the key)."""
     batch, keys = key_bias.shape[0], window.k_stop - window.k_start
     bias = key_bias[:, :, window.k_start : window.k_stop].float()
     padded = torch.empty((batch, heads, -(-keys // key_rows) * key_rows), dtype=torch.float32, device=key_bias.device)
     logits = padded[:, :, :keys]
-    torch.mul(bias.expand(batch, heads, keys), LOG2_E, out=logits)
-    logits.clamp_(min=-_F32_MAX).masked_fill_(torch.isneginf(bias), float("-inf"))
+    bias = bias.expand(batch, heads, keys)
+    torch.mul(bias, LOG2_E, out=logits)
+    torch.where(bias.isinf(), bias, logits.clamp_(-_F32_MAX, _F32_MAX), out=logits)
     padded[:, :, keys:] = 0.0
     return padded.view(batch * heads, -1)
 
