@@ -126,6 +126,27 @@ def test_per_key_biases_served_as_key_bias(case: str, dtype: torch.dtype, monkey
     assert_masked_call_served(query, key, value, mask, exact, monkeypatch)
 
 
+@pytest.mark.parametrize("case", ["finite-bias", "no-key-kept"])
+def test_without_a_key_bias_only_key_padding_is_served(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel takes no key bias (another GPU, the 8-bit kernels, torch.compile: `takes_key_bias` False),
+    a key-padding float mask is still served, as key counts, and a per-key bias falls back with one warning."""
+    from pictor_diffusers.integration import dispatcher_call
+
+    monkeypatch.setattr(dispatcher_call, "takes_key_bias", lambda *args: False)
+    query = qkv((2, 20, HEADS, 16), torch.float32, seed=6)[0]
+    key, value = qkv((2, 24, HEADS, 16), torch.float32, seed=7)[:2]
+    padding = float_mask(kept_keys(2, 24, "holes"), "BxHx1xNk", float("-inf"), torch.float32)
+    exact = F.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (query, key, value)), attn_mask=padding.double()
+    ).transpose(1, 2)
+    assert_masked_call_served(query, key, value, padding, exact, monkeypatch)
+    mask = not_key_padding(case, torch.float32)
+    with count_pictor_calls(monkeypatch) as calls, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dispatch_attention_fn(query, key, value, attn_mask=mask, backend="pictor")
+    assert calls[0] == 0 and len(pictor_warnings(caught)) <= 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
 def test_masks_over_queries_fall_back(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,6 +88,8 @@ def test_key_bias_is_checked() -> None:
         attention(query, key, value, key_bias=torch.zeros(2, 2, 7))
     with pytest.raises(TypeError, match=r"floating-point tensor, got torch\.int64"):
         attention(query, key, value, key_bias=torch.zeros(2, 1, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match="key_bias is on meta but query is on cpu"):
+        attention(query, key, value, key_bias=torch.zeros(2, 1, 7, device="meta"))
     with pytest.raises(ValueError, match="key_bias and key_lens cannot be given together"):
         attention(query, key, value, key_bias=torch.zeros(2, 1, 7), key_lens=torch.tensor([7, 7], dtype=torch.int32))
     with pytest.raises(ValueError, match="kernel='int8' takes no key_bias"):
