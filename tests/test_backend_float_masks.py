@@ -203,3 +203,18 @@ def test_ltx_video_mask_served(name: str, dtype: torch.dtype, monkeypatch: pytes
     error, native_error = rel_l2(out, exact), rel_l2(native, exact)
     bound = 1e-5 if COMPUTE[name] == dtype == torch.float32 else 1.5 * native_error + 1e-3
     assert error <= bound, f"{name} {dtype}: {error:.3e} > {bound:.3e} (native {native_error:.3e})"
+
+
+def test_key_bias_under_torch_compile_fullgraph() -> None:
+    """On CPU a per-key float mask reaches pictor's custom op as a key bias under torch.compile(fullgraph=True):
+    no graph break, the eager result bit for bit."""
+    query = qkv((2, 20, HEADS, 16), torch.float32, seed=6)[0]
+    key, value = qkv((2, 24, HEADS, 16), torch.float32, seed=7)[:2]
+    mask = not_key_padding("finite-bias", torch.float32)
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return dispatch_attention_fn(q, k, v, attn_mask=m, backend="pictor")
+
+    eager = call(query, key, value, mask)
+    compiled = torch.compile(call, fullgraph=True)(query, key, value, mask)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
