@@ -1,102 +1,52 @@
 /* flash_attn_wgmma.cu: bf16/fp16 joint attention on Hopper tensor cores (pictor-diffusers).
 
-   Algorithm: flash-attention forward, non-causal (key padding in the
-   WG_KEY_LENS=1 build), online softmax in the exp2 domain (scale * log2(e)
-   folded into one FFMA), f32 accumulators and f32 softmax state.
-   Warp-specialised, after FlashAttention-3:
-     * warpgroup 0 is the producer: it first gives up most of its registers
-       (setmaxnreg: it keeps 24) to the consumers, then one thread issues bulk
-       tensor copies (TMA) of the Q tile once and of K/V tiles into a
-       WG_STAGES-deep ring, each completing on an mbarrier. K and V of a stage
-       are freed apart (K as soon as S is computed, V after P.V), so loads run
-       up to WG_STAGES tiles ahead;
-     * warpgroups 1 .. WG_CONSUMERS = WG_BQ / 64 are consumers, 64 query rows
-       each: two at head_dim 128 (240 registers a thread), three at 64 (160),
-       where a key tile's exponentials take the SM as long as its products,
-       so a third warpgroup is to keep the tensor cores busy through the
-       others' softmax. Per key tile j (WG_BK keys) they issue
-       S_j = Q K_j^T (wgmma, both operands in shared memory) and
-       O += P_{j-1} V_{j-1} (wgmma, P from registers) back to back, then
-       tile j's softmax, and wait for the P.V product only after it. ptxas
-       (13.0, and NVRTC 12.9) schedules that wait before the softmax all the
-       same, so in the machine code a warpgroup's exponentials overlap the
-       other warpgroups' products, not its own P.V.
-   Two builds. WG_PERSISTENT=1 (the host runs it on short key sequences):
-   each block loops over work tiles (WG_BQ query rows of one head and batch);
-   the K/V ring runs on from one work tile to the next and Q is double-
-   buffered, so the next tile's Q and keys load during the current one.
-   Between two work tiles, the next tile's first S is issued with the last
-   P.V of the one before, its softmax follows, and
-   the finished tile's rows are then rounded (epilogue.cuh) and stored.
-   WG_PERSISTENT=0: one block per work tile, which the hardware schedules
-   (measured faster on long key sequences), with 176-key tiles at WG_D =
-   128: 27% fewer tiles pay the per-tile costs (expected faster). Both have
-   WG_KEY_BIAS=1 builds, which add a per-key bias to the logits (SDPA's float
-   mask over keys; key_bias.cuh): the producer copies each key tile's biases
-   beside its K tile, the consumers add them before the softmax.
-   Stores: each consumer warpgroup stages its rounded rows in shared memory
-   (stmatrix) and one of its threads writes them with bulk tensor copies
-   (sm90_store.cuh): into an output tile of their own in the persistent
-   build, into the work tile's Q tile (read for the last time by then) in
-   the other.
-   The producer, the ring and the roles are sm90_pipeline.cuh's, the products
-   sm90_wgmma.cuh's, the schedule tile_schedule.cuh's; this file holds the
-   shared-memory map and the main loop.
+   Algorithm: flash-attention forward, non-causal, online softmax in the exp2 domain (scale log2 e folded
+   into one FFMA), f32 accumulators and softmax state. Warp-specialised, after FlashAttention-3: warpgroup 0
+   gives up its registers (setmaxnreg 24) and one of its threads streams Q once and K/V tiles by TMA into a
+   WG_STAGES-deep ring of mbarrier-guarded stages (K and V freed apart, so loads run ahead); warpgroups
+   1 .. WG_CONSUMERS = WG_BQ / 64 consume, 64 query rows each (two at head_dim 128, 240 registers; three at
+   64, 160, so the tensor cores stay busy through the others' softmax). Per key tile j they issue
+   S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then tile j's softmax; ptxas (13.0, NVRTC 12.9)
+   places the P.V wait before that softmax, so a warpgroup's exponentials overlap the other warpgroups'
+   products, not its own.
+   Builds: WG_PERSISTENT=1 (short key sequences): each block loops over work tiles (WG_BQ query rows of one
+   head and batch), the ring running on across them and Q double-buffered; the next tile's first S is
+   issued with the previous tile's last P.V, whose rows are then rounded (epilogue.cuh) and stored.
+   WG_PERSISTENT=0: one block per work tile, 176-key tiles at head_dim 128. WG_KEY_LENS=1: key padding as
+   per-batch key counts (attention_io.cuh). WG_KEY_BIAS=1: an additive bias per key (SDPA's float mask over
+   keys, key_bias.cuh), copied beside each K tile and added to S before the softmax. Stores: a consumer
+   warpgroup stages its rounded rows by stmatrix and writes them by TMA (sm90_store.cuh), through an output
+   tile of its own (persistent) or the work tile's Q tile (read for the last time by then).
 
-   Launch geometry (WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS and
-   WG_SMEM_BYTES come from the host as -D; static_asserts below check them
-   against this kernel's own formulas; WG_BQ (128 or 192), WG_BK (128, or
-   176 with two consumer warpgroups) and WG_STAGES are the free choices):
-       grid  = WG_PERSISTENT=1: (min(work tiles, SMs), 1, 1), work tiles =
-               ceil(seq_q / WG_BQ) x num_heads x batch, WG_BQ = 128 query
-               rows at WG_D = 128, 192 at 64; block b takes tiles b,
-               b + gridDim.x, ... (query block fastest, then head);
-               WG_PERSISTENT=0: (ceil(seq_q / WG_BQ), num_heads, batch), one
-               work tile per block
-       block = WG_THREADS = 128 x (1 + WG_CONSUMERS): 384 (a producer and 2
-               consumer warpgroups) or 512 (3), one block per SM at a time
-       dynamic shared memory = WG_SMEM_BYTES: WG_Q_BUFS = 1 + WG_PERSISTENT Q
-       tiles (WG_BQ x WG_D), WG_STAGES x (K tile, V tile) (WG_BK x WG_D),
-       WG_PERSISTENT output tiles (WG_BQ x WG_D), 16-bit, each stored as
-       WG_D / 64 slabs of 64 columns, 128-byte rows in TMA's 128-byte
-       swizzle; 1 KiB of alignment slack; then 8 x (4 + 4 WG_STAGES) bytes
-       of mbarriers (WG_KEY_BIAS: WG_STAGES rows of WG_BK f32 biases before
-       them). At WG_D = 128: 214,112 bytes (WG_PERSISTENT=0, 176-key
-       tiles, 2 stages) and 230,496 (=1, 128-key tiles, 2 stages); at 64,
-       128-key tiles: 156,832 (=0, 4 stages) and 173,184 (=1, 3 stages).
-   Matrix products: wgmma.mma_async, f32 accumulators; m64n{WG_BK}k16 for S
-   and m64n{WG_D}k16 for O (WG_BK / 16 k-steps).
-       S = Q K^T : A = Q slab rows (K-major), B = K slab rows (K-major).
-       O += P V  : A = P, packed to 16 bits from the S accumulators (their
-                   layout is the A-fragment layout); B = V read transposed
-                   (MN-major descriptor: the 64-column slabs are LBO apart).
-
+   Launch geometry (-D WG_D, WG_IN_KIND, WG_BQ, WG_BK, WG_STAGES, WG_THREADS, WG_SMEM_BYTES, WG_KEY_LENS,
+   WG_PERSISTENT, WG_KEY_BIAS from the host; static_asserts check them):
+       grid  = persistent: (min(work tiles, SMs), 1, 1), work tiles = ceil(seq_q / WG_BQ) x heads x batch,
+               block b taking tiles b, b + gridDim.x, ... (query block fastest, then head);
+               else (ceil(seq_q / WG_BQ), num_heads, batch)
+       block = WG_THREADS = 128 (1 + WG_CONSUMERS): 384 at head_dim 128 (WG_BQ 128), 512 at 64 (WG_BQ 192)
+       dynamic shared memory = WG_SMEM_BYTES: 1 KiB alignment slack, 1 + WG_PERSISTENT Q tiles (WG_BQ x WG_D),
+               WG_STAGES K and V tiles (WG_BK x WG_D), WG_PERSISTENT output tiles, 16-bit, as 64-column slabs
+               of 128-byte rows in TMA's 128-byte swizzle; WG_KEY_BIAS: WG_STAGES rows of WG_BK f32 biases;
+               8 (4 + 4 WG_STAGES) bytes of mbarriers. Head_dim 128: 214,112 bytes (one block per tile, 2
+               stages of 176 keys), 230,496 (persistent, 2 of 128); head_dim 64, 128-key tiles: 156,832
+               (4 stages), 173,184 (persistent, 3); a key bias adds 4 WG_STAGES WG_BK.
+   Matrix products: wgmma m64n{WG_BK}k16 for S (A = Q, B = K, both K-major in shared memory) and
+   m64n{WG_D}k16 for O (A = P packed to 16 bits from the S accumulators, B = V through an MN-major
+   descriptor), f32 accumulators.
    Layout:
-       q, k, v : 16-bit [batch][num_heads][rows][WG_D] with any strides the
-                 host can encode (each a multiple of 16 bytes, head_dim
-                 contiguous): head-major [B, H, N, D] or the token-major
-                 [B, N, H, D] diffusers' dispatcher passes, read in place.
-                 Three rank-4 tensor maps of a window of rows (dims WG_D,
-                 num_heads, seq_q or seq_k, batch; box 64 x 1 x WG_BQ x 1
-                 for q, 64 x 1 x WG_BK x 1 for k and v; 128-byte swizzle);
-                 rows past the window are zero-filled by the copy engine, and
-                 keys >= seq_k masked
-       out     : token-major [batch, out_pitch, num_heads * WG_D], same dtype,
-                 offset by the host to the window's first row; written
-                 through tm_o (dims WG_D, num_heads, seq_q, batch; box 64 x
-                 1 x 64 x 1, a warpgroup's rows; 128-byte swizzle), rows past
-                 seq_q dropped by the copy engine; the pointer serves batches
-                 without keys
+       q, k, v : 16-bit [batch][num_heads][rows][WG_D], any strides the host can encode (head-major
+                 [B, H, N, D] or the dispatcher's token-major [B, N, H, D], read in place): rank-4 tensor maps
+                 of a window of rows (box 64 x 1 x WG_BQ or WG_BK x 1, 128-byte swizzle); rows past the
+                 window are zero-filled, keys >= seq_k masked
+       out     : token-major [batch, out_pitch, num_heads * WG_D], the input dtype, at the window's first row,
+                 written through tm_o (box 64 x 1 x 64 x 1); the pointer serves batches without keys
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
-       key_lens: [batch] i32 or null, read by the WG_KEY_LENS=1 build only:
-                 batch b attends its first key_lens[b] keys (attention_io.cuh)
-       key_bias: WG_KEY_BIAS=1 only: f32 [batch * num_heads][WG_BK ceil(seq_k / WG_BK)]
-                 in log2 units (key_bias.cuh), else ignored
+       key_lens: [batch] i32 or null (WG_KEY_LENS=1): batch b attends its first key_lens[b] keys
+       key_bias: f32 [batch * num_heads][WG_BK ceil(seq_k / WG_BK)] in log2 units (WG_KEY_BIAS=1), else unread
        batch   : the last argument, B (the persistent build's work tiles)
-   Precision: 16-bit inputs (WG_IN_KIND 1: bfloat16, 2: float16), f32 products
-   and softmax; P is rounded to the input dtype for the P.V product (as in
-   FlashAttention); the output is rounded once, to nearest even. WG_D is 64
-   or 128. Needs sm_90a. */
+   Precision: 16-bit inputs (WG_IN_KIND 1 bfloat16, 2 float16), f32 products and softmax; P rounded to the
+   input dtype for P.V (as FlashAttention does); the output rounded once, to nearest even. Rows whose keys all
+   have bias -inf get 0 and LSE -inf. Needs sm_90a. */
 
 #include "attention_io.cuh"
 #include "epilogue.cuh"
