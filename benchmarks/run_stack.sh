@@ -4,8 +4,8 @@
 # Steps: tests (the fp8-linear GPU tests), regional:<image> (all six configs, repeated blocks compiled),
 # whole:<image>[:<linears>] (the whole model compiled), probe (a 1+2-block fp8 model compiled whole, torchao's
 # inductor options off then on: compile seconds), parity:<image> (stock and PictorAttn(), regional), suite (the
-# GPU test suite), host (profile_host.py), layers (LAYERS: a comma list of its rows), auto_route, kernel (the bf16 kernel against cuDNN at issue 29's
-# shapes), peer8 (bench_8bit_peer.py).
+# GPU test suite), host (profile_host.py), layers (LAYERS: a comma list of its rows), auto_route, kernel (the
+# bf16 kernel against cuDNN at issue 29's shapes), peer8 (bench_8bit_peer.py).
 BUDGET=${BUDGET:-580}
 source benchmarks/device_env.sh
 stack() { (cd benchmarks && step "$@"); }
