@@ -162,3 +162,22 @@ def test_wgmma_key_bias_writes_every_row(seq_k: int) -> None:
     want, _ = expected(query, key, value, bias)
     assert not out.isnan().any() and (out[1] == 0).all()
     assert (out[0].double() - want[0]).abs().max() <= 2e-2
+
+
+def test_log2_key_bias_layout() -> None:
+    """The kernel's operand: float32 `[B * H, k_pad]`, the window's keys times log2(e), heads broadcast, zeros past
+    the keys; infinities and NaN kept, finite values beyond float32's range in log2 units clamped to +-FLT_MAX."""
+    from pictor_diffusers.cuda.geometry import LOG2_E, Window
+    from pictor_diffusers.cuda.plan import log2_key_bias
+
+    big, large = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max  # large * log2(e) > big
+    bias = torch.tensor([[[1.0, float("-inf"), float("inf"), -large, large, float("nan"), -2.0, 0.5, 3.0]]])
+    bias = torch.cat([bias, -bias], dim=0).bfloat16()  # [2, 1, 9]
+    padded = log2_key_bias(bias, 3, Window(0, 5, 2, 9), 4)  # keys 2..8 of 9, tiles of 4
+    assert padded.shape == (6, 8) and padded.dtype == torch.float32
+    keys = bias.float()[:, 0, 2:9]
+    expected = torch.where(keys.isinf(), keys, (keys * LOG2_E).clamp(-big, big))
+    for plane in range(6):
+        torch.testing.assert_close(padded[plane, :7], expected[plane // 3], equal_nan=True, rtol=0, atol=0)
+        assert (padded[plane, 7:] == 0).all()
+    assert padded[0, 1] == -big and padded[0, 2] == big  # finite values past float32's range in log2 units
