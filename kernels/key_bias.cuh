@@ -2,9 +2,9 @@
 
    The bias is SDPA's float attn_mask when it is the same for every query row ([B, 1|H, 1, Nk]): key
    padding (0 kept, -inf or very negative dropped, as LTX-Video's text mask) or any other per-key bias.
-   The host passes it as f32 [batch * num_heads][k_pad] in log2 units (the mask times log2 e, clamped at
-   -FLT_MAX so that finfo.min stays finite, as SDPA keeps it), k_pad = BK ceil(seq_k / BK), 16-byte
-   aligned; keys >= seq_k are masked by the kernel whatever their bias.
+   The host passes it as f32 [batch * num_heads][k_pad] in log2 units (the mask times log2 e; finite
+   values clamped to +-FLT_MAX so that finfo.min stays finite, as SDPA keeps it; infinities kept),
+   k_pad = BK ceil(seq_k / BK), 16-byte aligned; keys >= seq_k are masked by the kernel whatever their bias.
      pk_copy_bias   the producer: key tile j's BK biases of a plane into its stage's row of shared
                     memory, completing on the stage's K barrier (which the K tile's copy arrives on)
      pk_add_bias    a consumer: s = s scale_log2 + bias of its key, for the thread's columns of a key

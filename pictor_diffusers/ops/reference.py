@@ -71,8 +71,7 @@ def online_softmax_attention(
         acc = acc.masked_fill(kept == 0, 0.0)
         running_max = running_max.masked_fill(kept == 0, float("-inf"))
     if bias is not None:
-        acc = acc.masked_fill(running_sum == 0, 0.0)  # rows of only -inf keys: 0, not 0 / 0
-        running_sum = running_sum.masked_fill(running_sum == 0, 1.0)  # their LSE stays -inf: running_max is
+        running_sum = running_sum.masked_fill(running_sum == 0, 1.0)  # rows of only -inf keys: acc 0, LSE -inf
     out = (acc / running_sum).transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
     if not return_lse:
         return out
