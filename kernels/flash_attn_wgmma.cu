@@ -26,10 +26,11 @@
        block = WG_THREADS = 128 (1 + WG_CONSUMERS): 384 at head_dim 128 (WG_BQ 128), 512 at 64 (WG_BQ 192)
        dynamic shared memory = WG_SMEM_BYTES: 1 KiB alignment slack, 1 + WG_PERSISTENT Q tiles (WG_BQ x WG_D),
                WG_STAGES K and V tiles (WG_BK x WG_D), WG_PERSISTENT output tiles, 16-bit, as 64-column slabs
-               of 128-byte rows in TMA's 128-byte swizzle; WG_KEY_BIAS: WG_STAGES rows of WG_BK f32 biases;
+               of 128-byte rows in TMA's 128-byte swizzle; WG_KEY_BIAS: WG_STAGES rows of WG_BK f32 biases
+               (each padded to 128 bytes);
                8 (4 + 4 WG_STAGES) bytes of mbarriers. Head_dim 128: 214,112 bytes (one block per tile, 2
                stages of 176 keys), 230,496 (persistent, 2 of 128); head_dim 64, 128-key tiles: 156,832
-               (4 stages), 173,184 (persistent, 3); a key bias adds 4 WG_STAGES WG_BK.
+               (4 stages), 173,184 (persistent, 3); a key bias adds WG_STAGES WG_BIAS_ROW.
    Matrix products: wgmma m64n{WG_BK}k16 for S (A = Q, B = K, both K-major in shared memory) and
    m64n{WG_D}k16 for O (A = P packed to 16 bits from the S accumulators, B = V through an MN-major
    descriptor), f32 accumulators.
@@ -42,7 +43,8 @@
                  written through tm_o (box 64 x 1 x 64 x 1); the pointer serves batches without keys
        lse     : [batch, out_pitch, num_heads] f32 natural log-sum-exp, or null
        key_lens: [batch] i32 or null (WG_KEY_LENS=1): batch b attends its first key_lens[b] keys
-       key_bias: f32 [batch * num_heads][WG_BK ceil(seq_k / WG_BK)] in log2 units (WG_KEY_BIAS=1), else unread
+       key_bias: f32 [batch * num_heads][WG_BK ceil(seq_k / WG_BK)] in log2 units (WG_KEY_BIAS=1), read through
+                 tm_b (2-D, box WG_BK x 1, no swizzle); else tm_b is unread
        batch   : the last argument, B (the persistent build's work tiles)
    Precision: 16-bit inputs (WG_IN_KIND 1 bfloat16, 2 float16), f32 products and softmax; P rounded to the
    input dtype for P.V (as FlashAttention does); the output rounded once, to nearest even. Rows whose keys all
@@ -80,7 +82,8 @@
 #define WG_Q_BUFS (1 + WG_PERSISTENT)        /* Q tiles: the persistent build loads the next work tile's early */
 #define WG_O_BUFS WG_PERSISTENT              /* output tiles: the persistent build's own staging area */
 #define WG_K0 (WG_Q_BUFS * WG_Q_BYTES)       /* where the K tiles start, after the Q tiles */
-#define WG_BIAS_BYTES (WG_KEY_BIAS * WG_STAGES * WG_BK * 4)   /* a row of f32 key biases per stage */
+#define WG_BIAS_ROW ((WG_BK * 4 + 127) / 128 * 128)   /* a stage's row of f32 key biases, 128-byte aligned */
+#define WG_BIAS_BYTES (WG_KEY_BIAS * WG_STAGES * WG_BIAS_ROW)
 #define WG_BARRIER_BYTES (8 * (4 + 4 * WG_STAGES))   /* the ring's, q_full of Q tile 1, q_free of both */
 static_assert(WG_BQ == 128 || WG_BQ == 192, "WG_BQ must be 128 or 192 (two or three consumer warpgroups)");
 static_assert(WG_BK == 128 || (WG_BK == 176 && WG_CONSUMERS == 2),
@@ -107,7 +110,7 @@ struct wg_smem : pk_ring<WG_STAGES, WG_CONSUMERS> {
     __device__ unsigned int k(unsigned int s) const { return base + WG_K0 + s * WG_KV_BYTES; }
     __device__ unsigned int v(unsigned int s) const { return base + WG_K0 + (WG_STAGES + s) * WG_KV_BYTES; }
     __device__ unsigned int o() const { return base + WG_K0 + 2 * WG_STAGES * WG_KV_BYTES; }
-    __device__ unsigned int bias(unsigned int s) const { return o() + WG_O_BUFS * WG_Q_BYTES + s * WG_BK * 4; }
+    __device__ unsigned int bias(unsigned int s) const { return o() + WG_O_BUFS * WG_Q_BYTES + s * WG_BIAS_ROW; }
     __device__ unsigned int q_full_of(unsigned int round) const
     {
         return round % WG_Q_BUFS ? bars + 8 * (1 + 4 * WG_STAGES) : q_full();
@@ -131,18 +134,18 @@ typedef pk_tile_schedule<WG_BQ, WG_BK, WG_KEY_LENS> wg_schedule;
 
 /* The producer's share of one work tile with keys: its Q tile (once the consumers freed that Q tile's
    previous work tile, in the persistent build), then its key tiles through the ring from the ring's tile
-   `first`, each K tile with its biases (WG_KEY_BIAS: `bias` is the plane's first). */
+   `first`, each K tile with its biases (WG_KEY_BIAS: row `plane` of tm_b). */
 __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tensor_map* tm_q,
                                                 const pk_tensor_map* tm_k, const pk_tensor_map* tm_v,
-                                                const float* bias, const pk_work& t, unsigned int first,
-                                                unsigned int round)
+                                                const pk_tensor_map* tm_b, const pk_work& t, int plane,
+                                                unsigned int first, unsigned int round)
 {
     if (WG_PERSISTENT && round >= WG_Q_BUFS) pk_bar_wait(m.q_free(round), (round / WG_Q_BUFS - 1) & 1);
     pk_copy_tile<WG_BQ, WG_SLABS>(m.q(round), tm_q, (int)t.q0, (int)t.head, (int)t.batch, m.q_full_of(round));
     m.produce(
         t.n_tiles,
         [&](unsigned int j, unsigned int s) {
-            if (WG_KEY_BIAS) pk_copy_bias(m.bias(s), bias + j * WG_BK, WG_BK * 4, m.k_full(s));
+            if (WG_KEY_BIAS) pk_copy_bias(m.bias(s), tm_b, j * WG_BK, plane, WG_BK * 4, m.k_full(s));
             pk_copy_tile<WG_BK, WG_SLABS>(m.k(s), tm_k, j * WG_BK, (int)t.head, (int)t.batch, m.k_full(s));
         },
         [&](unsigned int j, unsigned int s) {
@@ -151,15 +154,15 @@ __device__ __forceinline__ void wg_produce_tile(const wg_smem& m, const pk_tenso
         first);
 }
 
-/* The first key bias of work tile t's plane (WG_KEY_BIAS builds: planes of WG_BK ceil(seq_k / WG_BK) floats). */
-__device__ __forceinline__ const float* wg_plane_bias(const float* key_bias, const wg_schedule& sched, const pk_work& t)
+/* Work tile t's row of the key-bias map (WG_KEY_BIAS builds: one per batch and head). */
+__device__ __forceinline__ int wg_bias_plane(const wg_schedule& sched, const pk_work& t)
 {
-    return key_bias + ((unsigned long long)t.batch * sched.num_heads + t.head) * t.n_tiles * WG_BK;
+    return (int)(t.batch * sched.num_heads + t.head);
 }
 
 /* The producer thread: each work tile with keys, the ring running on across them (persistent build). */
 __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map* tm_q, const pk_tensor_map* tm_k,
-                                           const pk_tensor_map* tm_v, const float* key_bias,
+                                           const pk_tensor_map* tm_v, const pk_tensor_map* tm_b,
                                            const wg_schedule& sched)
 {
 #if WG_PERSISTENT
@@ -167,13 +170,13 @@ __device__ __forceinline__ void wg_produce(const wg_smem& m, const pk_tensor_map
     for (unsigned int w = blockIdx.x; w < sched.n_work; w += gridDim.x) {
         const pk_work t = sched.at(w);
         if (!sched.has_keys(t)) continue;
-        wg_produce_tile(m, tm_q, tm_k, tm_v, wg_plane_bias(key_bias, sched, t), t, first, round);
+        wg_produce_tile(m, tm_q, tm_k, tm_v, tm_b, t, wg_bias_plane(sched, t), first, round);
         first += t.n_tiles;
         round++;
     }
 #else
     const pk_work t = sched.own();
-    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, wg_plane_bias(key_bias, sched, t), t, 0, 0);
+    if (sched.has_keys(t)) wg_produce_tile(m, tm_q, tm_k, tm_v, tm_b, t, wg_bias_plane(sched, t), 0, 0);
 #endif
 }
 
@@ -368,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 joint_attention_wgmma(
     PK_MAP_OPERANDS(unsigned short),
     const __grid_constant__ pk_tensor_map tm_o,
-    const float* __restrict__ key_bias,
+    const __grid_constant__ pk_tensor_map tm_b,
     PK_MAP_SCALARS,
     float scale_log2, unsigned int batch)
 {
@@ -382,10 +385,10 @@ joint_attention_wgmma(
     }
     const pk_out_dst dst = {&tm_o, out, lse, sched.num_heads, seq_q, out_pitch};
 #if WG_PERSISTENT
-    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, key_bias, sched); },
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, &tm_b, sched); },
           [&] { wg_consume_persistent(m, sched, dst, scale_log2); });
 #else
-    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, key_bias, sched); },
+    m.run([&] { wg_produce(m, &tm_q, &tm_k, &tm_v, &tm_b, sched); },
           [&] { wg_consume_own(m, sched, dst, scale_log2); });
 #endif
 }

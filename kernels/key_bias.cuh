@@ -4,9 +4,11 @@
    padding (0 kept, -inf or very negative dropped, as LTX-Video's text mask) or any other per-key bias.
    The host passes it as f32 [batch * num_heads][k_pad] in log2 units (the mask times log2 e; finite
    values clamped to +-FLT_MAX so that finfo.min stays finite, as SDPA keeps it; infinities kept),
-   k_pad = BK ceil(seq_k / BK), 16-byte aligned; keys >= seq_k are masked by the kernel whatever their bias.
+   k_pad = BK ceil(seq_k / BK), read through a 2-D tensor map (k_pad columns x batch * num_heads planes,
+   box BK x 1); keys >= seq_k are masked by the kernel whatever their bias.
      pk_copy_bias   the producer: key tile j's BK biases of a plane into its stage's row of shared
-                    memory, completing on the stage's K barrier (which the K tile's copy arrives on)
+                    memory (rows 128-byte aligned), completing on the stage's K barrier (which the K
+                    tile's copy arrives on)
      pk_add_bias    a consumer: s = s scale_log2 + bias of its key, for the thread's columns of a key
                     tile (softmax.cuh's accumulator layout), so the softmax then runs on log2 units
    Rows whose keys are all -inf (whole tiles of them, or every key) are the softmax's and epilogue's
@@ -15,16 +17,19 @@
 #ifndef PICTOR_KEY_BIAS_CUH
 #define PICTOR_KEY_BIAS_CUH
 
-#include "common.cuh"
+#include "sm90_pipeline.cuh"
 
-/* `bytes` (a multiple of 16) of f32 biases at src (16-byte aligned, global) into shared memory at dst, on
-   `bar`: its expected bytes grow by `bytes` first, with no arrival (the K tile's copy arrives). */
-__device__ __forceinline__ void pk_copy_bias(unsigned int dst, const float* src, unsigned int bytes,
-                                             unsigned int bar)
+/* Key tile `column / WG_BK`'s biases of plane `plane` (a box of `bytes` f32s of the host's 2-D map, no
+   swizzle) into shared memory at dst (128-byte aligned), on `bar`: its expected bytes grow by `bytes` first,
+   with no arrival (the K tile's copy arrives). A tensor copy, as the K and V tiles are: the sanitizer's
+   racecheck tracks its completion on the mbarrier, which it does not for a raw-address bulk copy. */
+__device__ __forceinline__ void pk_copy_bias(unsigned int dst, const pk_tensor_map* map, int column, int plane,
+                                             unsigned int bytes, unsigned int bar)
 {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"((unsigned long long)map), "r"(column), "r"(plane), "r"(bar) : "memory");
 }
 
 /* s = s * scale_log2 + bias[key] for NT n8 tiles of one m16 tile (columns 8n + 2t, + 1 of rows g, g + 8),

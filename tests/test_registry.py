@@ -272,7 +272,7 @@ def test_wgmma_key_tiles(head_dim: int, persistent: bool) -> None:
         assert variant.key_rows == keys and f"-DWG_BK={keys}" in options
         stages = int(dict(variant.defines())["WG_STAGES"])
         q_tiles = 3 if persistent else 1
-        biases = stages * keys * 4 if variant.key_bias else 0  # a row of f32 key biases per stage
+        biases = stages * -(-keys * 4 // 128) * 128 if variant.key_bias else 0  # f32 key biases, 128-byte rows
         tiles = q_tiles * rows * d * 2 + 2 * stages * keys * d * 2
         assert variant.shared_bytes == 1024 + tiles + biases + 8 * (4 + 4 * stages)
         assert variant.shared_bytes <= 227 * 1024
@@ -298,7 +298,8 @@ def test_short_key_sequences_select_the_persistent_build(short_keys: bool, key_l
 
 def test_key_bias_builds_are_wgmma_builds() -> None:
     """Only the wgmma row has key-bias builds: one per head_dim, dtype and persistence, without key counts, each
-    with -DWG_KEY_BIAS=1 (every other wgmma build: 0) and a row of f32 biases per K/V stage; the persistent
+    with -DWG_KEY_BIAS=1 (every other wgmma build: 0) and a row of f32 biases per K/V stage, each padded to 128
+    bytes (the tensor copy's alignment: 768 bytes for 176 keys); the persistent
     head_dim-128 one still fits the 227 KiB of shared memory a Hopper block may have."""
     for spec in KERNELS:
         biased = [v for v in variants(spec) if v.key_bias]
@@ -315,7 +316,8 @@ def test_key_bias_builds_are_wgmma_builds() -> None:
                 assert not variant.key_lens and variant.name.endswith("_keybias")
                 plain = replace(variant, key_bias=False)
                 keys, stages = variant.key_rows, int(defines["WG_STAGES"])
-                assert variant.shared_bytes == plain.shared_bytes + keys * stages * 4
+                row = {128: 512, 176: 768}[keys]
+                assert variant.shared_bytes == plain.shared_bytes + row * stages
 
 
 @pytest.mark.parametrize("short_keys", [False, True], ids=["long", "short"])

@@ -3,9 +3,12 @@ window of rows becomes (pure functions of shapes, strides and addresses: checked
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
+from pictor_diffusers.cuda import tensor_maps
 from pictor_diffusers.cuda.tensor_maps import Planes, out_planes, readable, rows_of
 
 SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 1, 1, 128)]  # N 77: not a multiple of the 128-row box
@@ -81,3 +84,41 @@ def test_out_planes_of_a_window_of_the_output(shape: tuple[int, ...]) -> None:
     assert (planes.heads, planes.rows, planes.batches) == (heads, stop - start, batch)
     if seq > 1:
         assert planes.row_stride == heads * head_dim
+
+
+class _RecordingDriver:
+    """Stands in for libcuda's `cuTensorMapEncodeTiled`: records what it was asked to encode."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, object]] = []
+
+    def cuTensorMapEncodeTiled(  # the driver's name
+        self, address: int, dtype: int, rank: int, pointer: int, dims: ctypes.Array, strides: ctypes.Array,
+        box: ctypes.Array, unit: ctypes.Array, *modes: int,
+    ) -> int:  # fmt: skip
+        self.calls.append({
+            "address": address, "dtype": dtype, "rank": rank, "pointer": pointer, "dims": list(dims[:rank]),
+            "strides": list(strides[: rank - 1]), "box": list(box[:rank]), "swizzle": modes[1],
+        })  # fmt: skip
+        return 0
+
+
+@pytest.mark.parametrize(("batch", "heads", "keys", "box"), [(2, 3, 352, 176), (1, 24, 384, 128), (3, 1, 128, 128)])
+def test_key_bias_map_is_a_plane_per_head_without_swizzle(
+    monkeypatch: pytest.MonkeyPatch, batch: int, heads: int, keys: int, box: int
+) -> None:
+    """The key bias (`plan.log2_key_bias`'s float32 `[B, H, k_pad]`) is encoded as rank 2: k_pad keys x B*H
+    planes, a plane's row of 4 k_pad bytes, box `box` keys x 1, no swizzle, float32; memoised by address."""
+    driver = _RecordingDriver()
+    monkeypatch.setattr(tensor_maps, "_driver", lambda: driver)
+    monkeypatch.setattr(tensor_maps, "_maps", type(tensor_maps._maps)())
+    bias = torch.randn(batch, heads, keys)
+    buffer, address = tensor_maps.bias_map_at(bias, box)
+    assert address % 64 == 0 and ctypes.addressof(buffer) <= address
+    (call,) = driver.calls
+    assert call["address"] == address and call["pointer"] == bias.data_ptr()
+    assert (call["dtype"], call["rank"], call["swizzle"]) == (7, 2, 0)  # FLOAT32, no swizzle
+    assert call["dims"] == [keys, batch * heads] and call["strides"] == [4 * keys] and call["box"] == [box, 1]
+    assert tensor_maps.bias_map_at(bias, box)[1] == address and len(driver.calls) == 1
+    unused_buffer, unused = tensor_maps.unused_map()
+    assert unused % 64 == 0 and bytes(unused_buffer)[unused - ctypes.addressof(unused_buffer) :][:128] == bytes(128)

@@ -131,9 +131,9 @@ def attention_launch(plan: AttentionPlan) -> Launch:
                 (plan.value, window.k_start, window.k_stop, variant.key_rows),
             )
         ]
-        out_map = _out_map_at(plan)(pointers[3])
-        bias = 0 if plan.key_bias is None else plan.key_bias.data_ptr()
-        operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1], bias), (maps, out_map, plan.key_bias)
+        out_map, box = _out_map_at(plan)(pointers[3]), variant.key_rows
+        bias = tensor_maps.unused_map() if plan.key_bias is None else tensor_maps.bias_map_at(plan.key_bias, box)
+        operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1], bias[1]), (maps, out_map, bias, plan.key_bias)
     else:
         geometry = Geometry(
             batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
@@ -204,7 +204,7 @@ def _operands(
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
 _OPERAND_KINDS = {
-    "pointers": (_U64,) * 6, "tensor_maps": (*_MAP_KINDS, None, _U64), "split_planes": (*_MAP_KINDS, _U64),
+    "pointers": (_U64,) * 6, "tensor_maps": (*_MAP_KINDS, None, None), "split_planes": (*_MAP_KINDS, _U64),
     "quantized": (*_MAP_KINDS, _U64, _U64, _U64, _U64),
 }  # fmt: skip
 

@@ -71,7 +71,8 @@ class KernelSpec:
             CuPy compiled these kernels with before the registry; it is kept, explicitly, so that
             the same source gives the same machine code (without it 3xTF32 ran 1.5-5% slower).
         operands: "pointers" (q, k, v, out, lse, key_lens), "tensor_maps" (TMA maps of q, k, v; out, lse and key_lens
-            pointers; the output's map; the key bias, `plan.log2_key_bias`'s, or 0) or "split_planes" (`SPLIT` first
+            pointers; the output's map; the map of the key bias, `plan.log2_key_bias`'s, or an unused one) or
+            "split_planes" (`SPLIT` first
             turns f32 q, k, v into scaled fp16 hi/lo planes; the kernel takes TMA maps of the planes, out, lse,
             key_lens and the split's column maxima) or "quantized" (the quantising prepass first turns 16-bit q, k, v
             into int8 q and k and 8-bit V^T with their scales, in the P.V scheme of the row's geometry "PV":

@@ -15,7 +15,7 @@ import ctypes
 import functools
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,7 +26,7 @@ default: the 8-bit kernel's tiles; the wgmma kernel's Q box has its build's rows
 STORE_BOX_ROWS = 64
 """Rows of an output map's box: one consumer warpgroup's share of a work tile (64 of its 128 or 192 rows)."""
 _DTYPES = {torch.float16: 6, torch.bfloat16: 9, torch.uint8: 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8
-_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+_FLOAT32, _SWIZZLE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B = 7, 0, 3, 3
 CACHE_SIZE = 256
 
 
@@ -44,8 +44,10 @@ class Planes(NamedTuple):
     batch_stride: int
 
 
-_maps: OrderedDict[tuple[Planes, int, torch.dtype, int], tuple[ctypes.Array, int]] = OrderedDict()
+_maps: OrderedDict[tuple[Any, ...], tuple[ctypes.Array, int]] = OrderedDict()
 _lock = threading.Lock()
+_UNUSED_BUFFER = ctypes.create_string_buffer(128 + 64)
+_UNUSED_MAP = (_UNUSED_BUFFER, (ctypes.addressof(_UNUSED_BUFFER) + 63) & ~63)
 
 
 @functools.cache
@@ -67,23 +69,30 @@ def check_driver() -> None:
 
 
 def _encode(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int) -> tuple[ctypes.Array, int]:
-    """Map of `planes` as rank 4 (head_dim, heads, rows, batches), box 128 bytes x 1 x `box_rows` x 1.
+    """Map of `planes` as rank 4 (head_dim, heads, rows, batches), box 128 bytes x 1 x `box_rows` x 1,
+    128-byte swizzle; reads past `rows` are zero-filled by the copy engine."""
+    size = dtype.itemsize
+    dims = (head_dim, planes.heads, planes.rows, planes.batches)
+    strides = (size * planes.head_stride, size * planes.row_stride, size * planes.batch_stride)
+    box = (BOX_BYTES // size, 1, box_rows, 1)
+    return _encoded(_DTYPES[dtype], planes.pointer, dims, strides, box, _SWIZZLE_128B, f"{dtype} {planes}")
 
-    128-byte swizzle; reads past `rows` are zero-filled by the copy engine.
-    Returns (owning buffer, 64-byte-aligned map address).
-    """
+
+def _encoded(
+    dtype_code: int, pointer: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+    swizzle: int, what: str,
+) -> tuple[ctypes.Array, int]:  # fmt: skip
+    """A map encoded by the driver: (owning buffer, 64-byte-aligned map address). `strides` in bytes, of every
+    dimension but the first (contiguous)."""
     buffer = ctypes.create_string_buffer(128 + 64)
     address = (ctypes.addressof(buffer) + 63) & ~63
-    dims = (ctypes.c_uint64 * 4)(head_dim, planes.heads, planes.rows, planes.batches)
-    size = dtype.itemsize
-    strides = (ctypes.c_uint64 * 3)(size * planes.head_stride, size * planes.row_stride, size * planes.batch_stride)
-    box = (ctypes.c_uint32 * 4)(BOX_BYTES // size, 1, box_rows, 1)
-    unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    rank = len(dims)
     status = _driver().cuTensorMapEncodeTiled(
-        address, _DTYPES[dtype], 4, planes.pointer, dims, strides, box, unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0
-    )
+        address, dtype_code, rank, pointer, (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*(1,) * rank), 0, swizzle, _L2_PROMOTION_256B, 0,
+    )  # fmt: skip
     if status != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {dtype} {planes}")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {what}")
     return buffer, address
 
 
@@ -126,12 +135,31 @@ def readable(tensor: torch.Tensor) -> bool:
 
 
 def map_at(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int = BOX_ROWS) -> tuple[ctypes.Array, int]:
-    """The memoised map of `planes` (see `tensor_map`)."""
+    """The memoised map of `planes` (see `_encode`)."""
     key = (planes, head_dim, dtype, box_rows)
     entry = _maps.get(key)
-    if entry is not None:
-        return entry
-    entry = _encode(*key)
+    return entry if entry is not None else _remember(key, _encode(*key))
+
+
+def bias_map_at(bias: torch.Tensor, box_keys: int) -> tuple[ctypes.Array, int]:
+    """The memoised map of a contiguous float32 key bias `[B, H, k_pad]` (`plan.log2_key_bias`'s), for the
+    wgmma kernel's key-bias builds: rank 2 (k_pad keys, B*H planes), box `box_keys` x 1, no swizzle."""
+    batch, heads, keys = bias.shape
+    key = ("key_bias", bias.data_ptr(), keys, batch * heads, box_keys)
+    entry = _maps.get(key)
+    if entry is None:
+        what = f"a key bias of {batch * heads} planes x {keys} keys at {bias.data_ptr():#x}"
+        entry = _remember(key, _encoded(_FLOAT32, key[1], key[2:4], (4 * keys,), (box_keys, 1), _SWIZZLE_NONE, what))
+    return entry
+
+
+def unused_map() -> tuple[ctypes.Array, int]:
+    """128 zero bytes, 64-byte aligned: the map operand of a build that never reads it (a wgmma build without
+    a key bias)."""
+    return _UNUSED_MAP
+
+
+def _remember(key: tuple[Any, ...], entry: tuple[ctypes.Array, int]) -> tuple[ctypes.Array, int]:
     with _lock:
         _maps[key] = entry
         while len(_maps) > CACHE_SIZE:

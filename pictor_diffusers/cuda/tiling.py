@@ -63,10 +63,11 @@ def wgmma_smem(d: int, persistent: bool = False) -> int:
 
 
 def wgmma_bias_bytes(d: int, persistent: bool = False) -> int:
-    """What a build's key-bias flavour adds (`WG_KEY_BIAS=1`): a row of f32 biases per K/V stage of its ring."""
+    """What a build's key-bias flavour adds (`WG_KEY_BIAS=1`): a row of f32 biases per K/V stage of its ring,
+    each padded to 128 bytes (a tensor copy's shared-memory alignment)."""
     _, ring, persistent_ring = _WGMMA_TILES[d]
     ring = persistent_ring if persistent else ring
-    return ring.stages * ring.keys * 4
+    return ring.stages * -(-ring.keys * 4 // 128) * 128
 
 
 def fp16x3_smem(d: int) -> int:
