@@ -1,5 +1,6 @@
-"""Which strided `[B, H, N, D]` 16-bit layouts the Hopper kernel's TMA maps read in place, and the planes a
-window of rows becomes (pure functions of shapes, strides and addresses: checked on CPU tensors)."""
+"""Which strided `[B, H, N, D]` 16-bit layouts the Hopper kernel's TMA maps read in place, the planes a window
+of rows becomes (pure functions of shapes, strides and addresses: checked on CPU tensors), and what the driver
+is asked to encode for a key bias (its encoder replaced by a recorder)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import ctypes
 import pytest
 import torch
 
-from pictor_diffusers.cuda import tensor_maps
+from pictor_diffusers.cuda import launch, nvrtc, tensor_maps
+from pictor_diffusers.cuda.geometry import Window
+from pictor_diffusers.cuda.plan import AttentionPlan, log2_key_bias
+from pictor_diffusers.cuda.selection import Problem, select_kernel
 from pictor_diffusers.cuda.tensor_maps import Planes, out_planes, readable, rows_of
 
 SHAPES = [(2, 3, 77, 128), (1, 24, 4608, 128), (2, 1, 1, 128)]  # N 77: not a multiple of the 128-row box
@@ -107,12 +111,15 @@ class _RecordingDriver:
 def test_key_bias_map_is_a_plane_per_head_without_swizzle(
     monkeypatch: pytest.MonkeyPatch, batch: int, heads: int, keys: int, box: int
 ) -> None:
-    """The key bias (`plan.log2_key_bias`'s float32 `[B, H, k_pad]`) is encoded as rank 2: k_pad keys x B*H
-    planes, a plane's row of 4 k_pad bytes, box `box` keys x 1, no swizzle, float32; memoised by address."""
+    """The key bias as the plan holds it (`plan.log2_key_bias`: float32 `[B*H, k_pad]`) is encoded as rank 2:
+    k_pad keys x B*H planes, a plane's row of 4 k_pad bytes, box `box` keys x 1, no swizzle, float32; memoised
+    by address."""
     driver = _RecordingDriver()
     monkeypatch.setattr(tensor_maps, "_driver", lambda: driver)
     monkeypatch.setattr(tensor_maps, "_maps", type(tensor_maps._maps)())
-    bias = torch.randn(batch, heads, keys)
+    window = Window(0, 5, 0, keys - box // 2)  # the plan's padding of a window whose keys end inside a tile
+    bias = log2_key_bias(torch.randn(batch, 1, keys), heads, window, box)
+    assert bias.shape == (batch * heads, keys)
     buffer, address = tensor_maps.bias_map_at(bias, box)
     assert address % 64 == 0 and ctypes.addressof(buffer) <= address
     (call,) = driver.calls
@@ -122,3 +129,35 @@ def test_key_bias_map_is_a_plane_per_head_without_swizzle(
     assert tensor_maps.bias_map_at(bias, box)[1] == address and len(driver.calls) == 1
     unused_buffer, unused = tensor_maps.unused_map()
     assert unused % 64 == 0 and bytes(unused_buffer)[unused - ctypes.addressof(unused_buffer) :][:128] == bytes(128)
+
+
+@pytest.mark.parametrize("biased", [True, False], ids=["key-bias", "no-bias"])
+@pytest.mark.parametrize("short_keys", [True, False], ids=["persistent", "one-block"])
+def test_wgmma_launch_passes_the_key_bias_map(monkeypatch: pytest.MonkeyPatch, biased: bool, short_keys: bool) -> None:
+    """The wgmma launch's eighth operand (after the maps of q, k, v, the out, lse and key-count pointers and the
+    output's map) is the map of the plan's key bias, boxed by the build's key tile, or the unused map."""
+    driver = _RecordingDriver()
+    monkeypatch.setattr(tensor_maps, "_driver", lambda: driver)
+    monkeypatch.setattr(tensor_maps, "_maps", type(tensor_maps._maps)())
+    monkeypatch.setattr(nvrtc, "multiprocessors", lambda index: 132)
+    problem = Problem("bfloat16", "bfloat16", 128, (9, 0), 232448, short_keys=short_keys, key_bias=biased)
+    selection = select_kernel(problem, "wgmma")
+    batch, heads, seq_q, seq_k = 2, 3, 77, 300
+    query = torch.randn(batch, heads, seq_q, 128).bfloat16()
+    key, value = (torch.randn(batch, heads, seq_k, 128).bfloat16() for _ in range(2))
+    window, box = Window(0, seq_q, 0, seq_k), selection.variant.key_rows
+    bias = log2_key_bias(torch.randn(batch, 1, seq_k), heads, window, box) if biased else None
+    written = torch.empty(batch, seq_q, heads * 128, dtype=torch.bfloat16)
+    plan = AttentionPlan(
+        selection, 1, 0, query, key, value, written, None, torch.bfloat16, None, None, window, 0.1, key_bias=bias
+    )
+    built = launch.attention_launch(plan)
+    assert built.signature[:8] == (None, None, None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, None, None)
+    assert built.shared_bytes == selection.variant.shared_bytes
+    encoded = {call["address"]: call for call in driver.calls}
+    if not biased:
+        assert built.args[7] == tensor_maps.unused_map()[1] and len(driver.calls) == 4
+        return
+    call = encoded[built.args[7]]
+    assert call["pointer"] == bias.data_ptr() and call["dims"] == [bias.shape[1], batch * heads]
+    assert call["box"] == [box, 1] and bias.shape[1] % box == 0

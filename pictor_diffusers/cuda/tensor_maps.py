@@ -142,13 +142,13 @@ def map_at(planes: Planes, head_dim: int, dtype: torch.dtype, box_rows: int = BO
 
 
 def bias_map_at(bias: torch.Tensor, box_keys: int) -> tuple[ctypes.Array, int]:
-    """The memoised map of a contiguous float32 key bias `[B, H, k_pad]` (`plan.log2_key_bias`'s), for the
+    """The memoised map of a contiguous float32 key bias `[B*H, k_pad]` (`plan.log2_key_bias`'s), for the
     wgmma kernel's key-bias builds: rank 2 (k_pad keys, B*H planes), box `box_keys` x 1, no swizzle."""
-    batch, heads, keys = bias.shape
-    key = ("key_bias", bias.data_ptr(), keys, batch * heads, box_keys)
+    planes, keys = bias.shape
+    key = ("key_bias", bias.data_ptr(), keys, planes, box_keys)
     entry = _maps.get(key)
     if entry is None:
-        what = f"a key bias of {batch * heads} planes x {keys} keys at {bias.data_ptr():#x}"
+        what = f"a key bias of {planes} planes x {keys} keys at {bias.data_ptr():#x}"
         entry = _remember(key, _encoded(_FLOAT32, key[1], key[2:4], (4 * keys,), (box_keys, 1), _SWIZZLE_NONE, what))
     return entry
 
