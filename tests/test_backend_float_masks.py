@@ -218,3 +218,31 @@ def test_key_bias_under_torch_compile_fullgraph() -> None:
     eager = call(query, key, value, mask)
     compiled = torch.compile(call, fullgraph=True)(query, key, value, mask)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_key_bias_build_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mask_bias._has_key_bias_build` (the CUDA answer of `takes_key_bias`, a constant under torch.compile) asks
+    `resolve` for "auto" with a key bias in the compute dtype, and is True only where a kernel build takes one;
+    on the CPU the twins always do, and the 8-bit kernels never."""
+    from types import SimpleNamespace
+
+    from pictor_diffusers.cuda.selection import NoKernelError
+    from pictor_diffusers.integration import mask_bias
+
+    asked = []
+
+    def resolve(kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_bias=False):
+        asked.append((kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_bias))
+        if head_dim == 96:
+            raise NoKernelError("no build")
+        return SimpleNamespace(selection=SimpleNamespace(variant=object() if head_dim == 128 else None))
+
+    monkeypatch.setattr(mask_bias, "resolve", resolve)
+    answers = [mask_bias._has_key_bias_build("bfloat16", d, 1, aligned) for d, aligned in ((128, True), (64, False))]
+    assert answers == [True, False] and not mask_bias._has_key_bias_build("float16", 96, 0, True)
+    assert asked[0] == ("auto", torch.bfloat16, torch.bfloat16, 128, 1, True, True)
+    assert asked[1][3:6] == (64, 1, False) and asked[2][1:3] == (torch.float16, torch.float16)
+    tensors = qkv((1, 8, HEADS, 16), torch.float32, seed=1)
+    assert mask_bias.takes_key_bias("auto", torch.bfloat16, tensors)
+    assert not mask_bias.takes_key_bias("fp8", torch.bfloat16, tensors)
+    assert len(asked) == 3, "the CPU answer needs no kernel"

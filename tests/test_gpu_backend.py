@@ -244,6 +244,29 @@ def test_ltx_float_mask_is_a_key_bias_without_sync(
     assert error <= 1.5 * native_error + 1e-3
 
 
+@HEAD_DIMS
+def test_ltx_float_mask_compiled_is_the_eager_key_bias(head_dim: int) -> None:
+    """The LTX-Video mask through `pictor_bf16` under `torch.compile(fullgraph=True)`: served as a key bias (the
+    decision a constant of the device, taken while tracing), not by native attention: the eager result, bit for
+    bit, and no fallback warning."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    query, key, value, _ = token_major_qkv(2, 333, 1000, "wgmma", head_dim)
+    kept = torch.arange(1000, device="cuda") < torch.tensor([[700], [1000]], device="cuda")
+    mask = ((~kept).bfloat16() * -10000.0).view(2, 1, 1, 1000).expand(2, 4, 1, 1000).contiguous()
+    eager = dispatch_attention_fn(query, key, value, attn_mask=mask, backend="pictor_bf16")
+    call = torch.compile(lambda *qkvm: dispatch_attention_fn(*qkvm[:3], attn_mask=qkvm[3], backend="pictor_bf16"),
+                         fullgraph=True)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = call(query, key, value, mask)
+        finally:
+            torch._dynamo.reset()
+    assert not [w for w in caught if "pictor-diffusers" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(out, eager)
+
+
 def rel_l2_of(actual: torch.Tensor, exact: torch.Tensor) -> float:
     return ((actual.double() - exact).norm() / exact.norm()).item()
 

@@ -164,6 +164,30 @@ def test_wgmma_key_bias_writes_every_row(seq_k: int) -> None:
     assert (out[0].double() - want[0]).abs().max() <= 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [4, 12], ids=["8-bytes-in", "24-bytes-in"])
+def test_wgmma_key_bias_copies_rows_that_are_not_aligned(offset: int) -> None:
+    """q, k and v whose rows start off 16-byte boundaries (views `offset` bf16 elements into their storage, as
+    a compiled graph may hand the op): the key-bias build runs on aligned copies, the result that of aligned
+    inputs, bit for bit (the key-bias builds read rows through TMA, which needs 16-byte alignment)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    aligned = inputs((2, 3, 77, 300, 128), torch.bfloat16, "cuda")
+    reason = cannot_run("wgmma", *aligned)
+    if reason is not None:
+        pytest.skip(f"wgmma cannot run here: {reason}")
+    shifted = []
+    for tensor in aligned:
+        storage = torch.full((tensor.numel() + offset,), float("nan"), dtype=tensor.dtype, device="cuda")
+        view = storage[offset:].view(tensor.shape)
+        view.copy_(tensor)
+        shifted.append(view)
+    assert all(t.data_ptr() % 16 for t in shifted)
+    bias = make_bias("padding", 2, 3, 300, True, "cuda")
+    want = attention(*aligned, key_bias=bias)
+    assert torch.equal(attention(*shifted, key_bias=bias), want)
+
+
 def test_log2_key_bias_layout() -> None:
     """The kernel's operand: float32 `[B * H, k_pad]`, the window's keys times log2(e), heads broadcast, zeros past
     the keys; infinities and NaN kept, finite values beyond float32's range in log2 units clamped to +-FLT_MAX."""

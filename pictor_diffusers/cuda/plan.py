@@ -131,16 +131,17 @@ def plan_attention(
         key_lens: if given, `[B]` int32 contiguous: batch b attends the first `key_lens[b]` keys of
             the window (clamped to [0, window keys]); a batch with none gets rows of 0 and LSE -inf.
         key_bias: if given, `[B, 1 or H, Nk]` float (checked): added to the scaled logits of every query row;
-            only kernels with key-bias builds take it (`selection.blocker` says which).
+            only kernels with key-bias builds take it (`selection.blocker` says which); q, k, v whose rows
+            are not 16-byte aligned are then copied.
     """
     batch, heads, seq_q, head_dim = query.shape
     window = full_window(query, key) if window is None else window
     if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
         query, key, value = _in_place_or_copy(query), _in_place_or_copy(key), _in_place_or_copy(value)
-    size = query.element_size()
-    q_at = query.data_ptr() + window.q_start * query.stride(2) * size
-    k_at = key.data_ptr() + window.k_start * key.stride(2) * size
-    aligned = not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
+    aligned = _window_aligned(query, key, value, window)
+    if key_bias is not None and not aligned:  # only the wgmma builds take a bias, reading aligned rows
+        query, key, value = (t.clone(memory_format=torch.contiguous_format) for t in (query, key, value))
+        aligned = _window_aligned(query, key, value, window)
     short_keys = window.k_stop - window.k_start <= SHORT_KEYS
     selection, function, prepass_function = resolve(
         kernel,
@@ -174,6 +175,14 @@ def plan_attention(
 
 
 _F32_MAX = torch.finfo(torch.float32).max
+
+
+def _window_aligned(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: Window) -> bool:
+    """Whether the window's first rows of q, k and v start on 16-byte boundaries."""
+    size = query.element_size()
+    q_at = query.data_ptr() + window.q_start * query.stride(2) * size
+    k_at = key.data_ptr() + window.k_start * key.stride(2) * size
+    return not (q_at | k_at | value.data_ptr() + window.k_start * value.stride(2) * size) % 16
 
 
 def log2_key_bias(key_bias: torch.Tensor, heads: int, window: Window, key_rows: int) -> torch.Tensor:

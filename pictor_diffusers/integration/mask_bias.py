@@ -3,8 +3,8 @@
 A float `attn_mask` that is the same for every query row (`[B|1, H|1, 1, Nk]` as SDPA broadcasts it, e.g.
 LTX-Video's text mask of 0 and -10000, repeated per head) is a bias per key: the Hopper 16-bit kernel adds it
 to the logits itself (kernels/key_bias.cuh) and the CPU twins do the same, so such a call needs no host sync,
-no gather and no check of the values. Elsewhere (other GPUs, the 8-bit kernels, under torch.compile) the mask
-goes to `key_padding.padding_of` as before.
+no gather and no check of the values, eagerly, under torch.compile and in CUDA graph capture alike. Elsewhere
+(other GPUs, the 8-bit kernels) the mask goes to `key_padding.padding_of`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from ..cuda.plan import resolve
 from ..cuda.selection import NoKernelError
+from ..dtypes import DTYPE_NAMES, DTYPES
 
 
 def key_bias_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> torch.Tensor | None:
@@ -28,19 +29,27 @@ def key_bias_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> 
 
 def takes_key_bias(kernel: str, compute: torch.dtype, tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether the call on the dispatcher's q, k, v `[B, N, H, D]` (`tensors`), run by `kernel` in `compute`,
-    can take a key bias: pictor's 16-bit path ("auto") on CPU (the twins), or eagerly on a CUDA device where
-    its kernel has a key-bias build (`plan.resolve`). Under torch.compile, False: resolving loads kernels."""
+    can take a key bias: pictor's 16-bit path ("auto") on CPU (the twins), or on a CUDA device where its kernel
+    has a key-bias build (`plan.resolve`). Under torch.compile the answer is a constant of the device, taken
+    once while tracing, for 16-byte-aligned rows (the op's call copies rows that are not, `plan_attention`)."""
     query = tensors[0]
-    if kernel != "auto":
+    if kernel != "auto" or query.device.type not in ("cpu", "cuda"):
         return False
     if query.device.type == "cpu":
         return True
-    if query.device.type != "cuda" or torch.compiler.is_compiling():
-        return False
     in_place = query.dtype == compute  # else each tensor is cast into a new, aligned one
-    aligned = not in_place or not any(t.data_ptr() % 16 for t in tensors)
+    compiling = torch.compiler.is_compiling()
+    aligned = compiling or not in_place or not any(t.data_ptr() % 16 for t in tensors)
+    return _has_key_bias_build(DTYPE_NAMES[compute], query.shape[-1], query.device.index or 0, aligned)
+
+
+@torch.compiler.assume_constant_result
+def _has_key_bias_build(compute: str, head_dim: int, device_index: int, aligned: bool) -> bool:
+    """Whether "auto" runs `compute` q, k, v of `head_dim` with a key bias on CUDA device `device_index`
+    (loading the build, memoised by `resolve`); a constant under torch.compile."""
+    dtype = DTYPES[compute]
     try:
-        prepared = resolve(kernel, compute, compute, query.shape[-1], query.device.index, aligned, key_bias=True)
+        prepared = resolve("auto", dtype, dtype, head_dim, device_index, aligned, key_bias=True)
     except NoKernelError:
         return False
     return prepared.selection.variant is not None
