@@ -102,29 +102,29 @@ def _out_map_at(plan: AttentionPlan) -> Callable[[int], tuple[ctypes.Array, int]
     return map_at
 
 
-def attention_launch(plan: AttentionPlan) -> Launch:
+def attention_launch(plan: AttentionPlan, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """The launch of the plan's kernel variant, its arguments built (running the prepass first, where its
-    operands need one and the plan's q, k, v are not split already)."""
-    variant, window, scale = plan.selection.variant, plan.window, plan.scale
+    operands need one and the plan's q, k, v are not split already; a split-planes kernel given `workspace`, the
+    planes and column maxima of `split_buffers`, reads them there instead, the prepass left to the caller)."""
+    variant, window = plan.selection.variant, plan.window
     out, lse, key_lens = plan.written, plan.lse, plan.key_lens
     spec = variant.spec
-    (batch, heads, seq_q, head_dim), kv_pitch, dtype, inputs = _inputs(plan)
-    q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
+    g, inputs = launch_geometry(plan)
     pointers = (
         *inputs,
-        out.data_ptr() + window.q_start * heads * head_dim * out.element_size(),
-        0 if lse is None else lse.data_ptr() + window.q_start * heads * 4,
+        out.data_ptr() + window.q_start * g.heads * g.head_dim * out.element_size(),
+        0 if lse is None else lse.data_ptr() + window.q_start * g.heads * 4,
         0 if key_lens is None else key_lens.data_ptr(),
     )
     scalars = {
-        "heads": heads, "seq_q": q_count, "seq_k": k_count, "q_pitch": seq_q, "kv_pitch": kv_pitch,
-        "out_pitch": out.shape[1], "head_dim": head_dim, "scale": scale, "scale_log2": scale * LOG2_E,
-        "batch": batch,
+        "heads": g.heads, "seq_q": g.q_count, "seq_k": g.k_count, "q_pitch": g.q_pitch, "kv_pitch": g.kv_pitch,
+        "out_pitch": out.shape[1], "head_dim": g.head_dim, "scale": plan.scale, "scale_log2": g.scale_log2,
+        "batch": g.planes // g.heads,
     }  # fmt: skip
     device_index = out.device.index
     if spec.operands == "tensor_maps":
         maps = [
-            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), head_dim, dtype, box_rows)
+            tensor_maps.map_at(tensor_maps.rows_of(t, start, stop), g.head_dim, g.dtype, box_rows)
             for t, start, stop, box_rows in (
                 (plan.query, window.q_start, window.q_stop, variant.rows_per_block),
                 (plan.key, window.k_start, window.k_stop, variant.key_rows),
@@ -135,19 +135,27 @@ def attention_launch(plan: AttentionPlan) -> Launch:
         bias = tensor_maps.unused_map() if plan.key_bias is None else tensor_maps.bias_map_at(plan.key_bias, box)
         operands, keep = (*_with_maps(maps, pointers[3:]), out_map[1], bias[1]), (maps, out_map, bias, plan.key_bias)
     else:
-        geometry = Geometry(
-            batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, scalars["scale_log2"]
-        )
-        operands, keep = _operands(spec, pointers, geometry, device_index, plan.prepass_function, plan.split)
+        split = plan.split if workspace is None else workspace
+        operands, keep = _operands(spec, pointers, g, device_index, plan.prepass_function, split)
     return Launch(
         device_index,
-        variant.grid(batch, heads, q_count, nvrtc.multiprocessors(device_index)),
+        variant.grid(g.planes // g.heads, g.heads, g.q_count, nvrtc.multiprocessors(device_index)),
         variant.threads,
         variant.shared_bytes,
         _signature(spec),
         operands + tuple(scalars[name] for name in spec.scalars),
         keep,
     )
+
+
+def launch_geometry(plan: AttentionPlan) -> tuple[Geometry, tuple[int, int, int]]:
+    """The plan's `Geometry` (the window's rows, the inputs' pitches, dtype and heads) and the addresses of the
+    window's first rows of q, k and v (0s for split planes)."""
+    (batch, heads, seq_q, head_dim), kv_pitch, dtype, inputs = _inputs(plan)
+    window = plan.window
+    q_count, k_count = window.q_stop - window.q_start, window.k_stop - window.k_start
+    geometry = Geometry(batch * heads, q_count, k_count, seq_q, kv_pitch, head_dim, dtype, heads, plan.scale * LOG2_E)
+    return geometry, inputs
 
 
 def _inputs(plan: AttentionPlan) -> tuple[tuple[int, ...], int, torch.dtype, tuple[int, int, int]]:
@@ -179,27 +187,31 @@ def _signature(spec: KernelSpec) -> tuple[Any, ...]:
 
 def _operands(
     spec: KernelSpec, pointers: tuple[int, ...], geometry: Geometry, device_index: int, prepass: int,
-    split: SplitPlanes | None = None,
+    split: SplitPlanes | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[Any, ...], object]:  # fmt: skip
     """(operand values, what must stay referenced until the launch) of a contiguous-input row's
     operand kind, from the window's (q, k, v, out, lse, key_lens) addresses; "split_planes" runs
-    the split prepass first unless `split` holds the planes already, "quantized" the 8-bit one in the
+    the split prepass first unless `split` holds the planes (and maxima) already, "quantized" the 8-bit one in the
     row's P.V scheme (`prepass`: its loaded `CUfunction` handle)."""
     if spec.operands == "pointers":
         return pointers, None
     if spec.operands == "quantized":
         return quantized_operands(pointers, geometry, device_index, prepass, spec.geometry["PV"])
-    g = geometry
     planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass) if split is None else split[:2]
-    base, half = planes.data_ptr(), 2
+    maps = split_maps(planes.data_ptr(), geometry)
+    return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), (maps, planes)
+
+
+def split_maps(base: int, geometry: Geometry) -> list[tuple[ctypes.Array, int]]:
+    """The maps of the split's q, k and v planes (`SplitPlanes.planes`' layout) in a workspace at `base`."""
+    g, half = geometry, 2
     q_bytes = 2 * g.planes * g.q_count * g.head_dim * half
     k_bytes = 2 * g.planes * g.k_count * g.head_dim * half
-    maps = [
+    return [
         tensor_maps.map_at(_split_plane_rows(address, g.planes, count, g.head_dim), g.head_dim, torch.float16,
                            _SPLIT_BOX_ROWS)
         for address, count in ((base, g.q_count), (base + q_bytes, g.k_count), (base + q_bytes + k_bytes, g.k_count))
     ]  # fmt: skip
-    return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), (maps, planes)
 
 
 _MAP_KINDS = (None, None, None, _U64, _U64, _U64)
@@ -220,7 +232,8 @@ def _split_plane_rows(address: int, planes: int, rows: int, head_dim: int) -> te
     return tensor_maps.Planes(address, 2 * planes, rows, 1, rows * head_dim, head_dim, 2 * planes * rows * head_dim)
 
 
-_SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5
+SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5
+"""The split kernel's arguments: q, k, v, planes, column maxima; counts, pitches and the phase."""
 
 
 @functools.cache
@@ -231,7 +244,7 @@ def _device(device_index: int) -> torch.device:
 _SPLIT_BOX_ROWS = 64
 
 
-def _split_buffers(
+def split_buffers(
     groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int, one_allocation: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split planes (float16, flat, `geometry.split_halves`) and zeroed column maxima (int32 `[3, groups, D]`)
@@ -256,6 +269,16 @@ def _two_phases(
         runtime.launch(function, device_index, grid, threads, 0, signature, (*args, phase))
 
 
+def split_args(
+    pointers: tuple[int, int, int], planes: int, colmax: int, geometry: Geometry
+) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """The split kernel's grid and arguments but the phase (`SPLIT_SIGNATURE`), from the window's f32 q, k, v
+    (first-row addresses, `geometry`) into planes and column maxima at the given addresses."""
+    g = geometry
+    grid = (g.planes, -(-max(g.q_count, g.k_count) // SPLIT.rows_per_block), 3)
+    return grid, (*pointers, planes, colmax, g.q_count, g.k_count, g.q_pitch, g.kv_pitch)
+
+
 def split_planes(
     pointers: tuple[int, int, int], geometry: Geometry, device_index: int, function: int, one_allocation: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,10 +290,9 @@ def split_planes(
     int32) that give each group's scale, views of one allocation unless not `one_allocation`.
     """
     g = geometry
-    planes, colmax = _split_buffers(g.planes, g.q_count, g.k_count, g.head_dim, device_index, one_allocation)
-    grid = (g.planes, -(-max(g.q_count, g.k_count) // SPLIT.rows_per_block), 3)
-    args = (*pointers, planes.data_ptr(), colmax.data_ptr(), g.q_count, g.k_count, g.q_pitch, g.kv_pitch)
-    _two_phases(function, device_index, grid, SPLIT.threads, _SPLIT_SIGNATURE, args)
+    planes, colmax = split_buffers(g.planes, g.q_count, g.k_count, g.head_dim, device_index, one_allocation)
+    grid, args = split_args(pointers, planes.data_ptr(), colmax.data_ptr(), g)
+    _two_phases(function, device_index, grid, SPLIT.threads, SPLIT_SIGNATURE, args)
     return planes, colmax
 
 
@@ -334,7 +356,7 @@ def qkv_prologue_split_cuda(layout: PrologueLayout, one_allocation: bool = False
     kernel makes of them (`split_qkv_cuda`), bit for bit, with no f32 q, k, v in between. `one_allocation`
     (eager calls): planes and maxima are views of one allocation."""
     groups, seq = layout.batch * layout.heads, layout.seq
-    planes, colmax = _split_buffers(groups, seq, seq, layout.head_dim, layout.device_index, one_allocation)
+    planes, colmax = split_buffers(groups, seq, seq, layout.head_dim, layout.device_index, one_allocation)
     variant = prologue_split_variant(layout.head_dim, DTYPE_NAMES[layout.dtype])
     grid = (groups, -(-seq // variant.rows_per_block), 3)
     outs = (planes.data_ptr(), colmax.data_ptr())

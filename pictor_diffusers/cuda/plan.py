@@ -88,7 +88,7 @@ class AttentionPlan(NamedTuple):
     key_lens: torch.Tensor | None
     window: Window
     scale: float
-    launch: runtime.PreparedLaunch | None = None
+    launch: runtime.Replayable | None = None
     split: SplitPlanes | None = None
     key_bias: torch.Tensor | None = None
 

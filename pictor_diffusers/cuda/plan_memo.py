@@ -9,8 +9,9 @@ same key, into a fresh output, the launch arguments already built. A replayed ca
 passed it before), the kernel's resolution and the input maps' encodes: it costs the key, one allocation and the
 launch (the wgmma kernel's output map is looked up again when the output moved).
 
-Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast, no
-prepass) into a new output of the requested dtype, over all rows, without log-sum-exp. Key counts are named by
+Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast; the
+fp16x3 kernel's split prepass replayed with it, `split_replay`) into a new output of the requested dtype, over
+all rows, without log-sum-exp. Key counts are named by
 their tensor's facts too (the backend passes the same cached counts for every call under one mask). No tensor
 is held, so a remembered call keeps nothing alive; tensor maps stay referenced by their entry. At most
 `MEMO_SIZE` entries, the oldest evicted first.
@@ -27,10 +28,11 @@ import torch
 from . import launch
 from .geometry import full_window
 from .plan import AttentionPlan
+from .split_replay import SplitReplay
 
 MEMO_SIZE = 512
 """Entries kept: more than the distinct attention calls of one step of the largest diffusers models."""
-_PREPARED_OPERANDS = ("pointers", "tensor_maps")
+_PREPARED_OPERANDS = ("pointers", "tensor_maps", "split_planes")
 
 
 class _Entry(NamedTuple):
@@ -95,11 +97,13 @@ def remember(
         and plan.lse is None
         and plan.key_lens is key_lens
         and plan.written.dtype == plan.out_dtype
+        and plan.split is None
         and plan.window == full_window(query, key)
     )
     if not qualifies:
         return plan
-    plan = plan._replace(launch=launch.prepare(plan))
+    split = variant.spec.operands == "split_planes"
+    plan = plan._replace(launch=SplitReplay(plan) if split else launch.prepare(plan))
     template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None)  # addresses: in the launch
     _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
     return plan

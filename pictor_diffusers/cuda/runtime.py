@@ -15,7 +15,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -129,6 +129,13 @@ def _slots(signature: tuple[Any, ...]) -> _ArgSlots:
     if slots is None:
         slots = cache[signature] = _ArgSlots(signature)
     return slots
+
+
+class Replayable(Protocol):
+    """A plan's prepared launch (`PreparedLaunch`, or `split_replay.SplitReplay` with its prepass): `run` launches
+    it into the output at a device address."""
+
+    def run(self, out_pointer: int) -> None: ...
 
 
 class PreparedLaunch:
