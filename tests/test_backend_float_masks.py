@@ -221,9 +221,10 @@ def test_key_bias_under_torch_compile_fullgraph() -> None:
 
 
 def test_key_bias_build_decision(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`mask_bias._has_key_bias_build` (the CUDA answer of `takes_key_bias`, a constant under torch.compile) asks
-    `resolve` for "auto" with a key bias in the compute dtype, and is True only where a kernel build takes one;
-    on the CPU the twins always do, and the 8-bit kernels never."""
+    """`mask_bias._has_key_bias_builds` (the CUDA answer of `takes_key_bias`, a constant under torch.compile)
+    asks `resolve` for "auto" with a key bias in the compute dtype, for long and short key sequences, aligned
+    rows (unaligned ones are copied), and is True only where a kernel build takes both; on the CPU the twins
+    always do, and the 8-bit kernels never."""
     from types import SimpleNamespace
 
     from pictor_diffusers.cuda.selection import NoKernelError
@@ -231,18 +232,20 @@ def test_key_bias_build_decision(monkeypatch: pytest.MonkeyPatch) -> None:
 
     asked = []
 
-    def resolve(kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_bias=False):
-        asked.append((kernel, in_dtype, out_dtype, head_dim, device_index, aligned, key_bias))
+    def resolve(kernel, in_dtype, out_dtype, head_dim, device_index, aligned, short_keys=False, key_bias=False):
+        asked.append((kernel, in_dtype, out_dtype, head_dim, device_index, aligned, short_keys, key_bias))
         if head_dim == 96:
             raise NoKernelError("no build")
-        return SimpleNamespace(selection=SimpleNamespace(variant=object() if head_dim == 128 else None))
+        served = head_dim == 128 or not short_keys
+        return SimpleNamespace(selection=SimpleNamespace(variant=object() if served else None))
 
     monkeypatch.setattr(mask_bias, "resolve", resolve)
-    answers = [mask_bias._has_key_bias_build("bfloat16", d, 1, aligned) for d, aligned in ((128, True), (64, False))]
-    assert answers == [True, False] and not mask_bias._has_key_bias_build("float16", 96, 0, True)
-    assert asked[0] == ("auto", torch.bfloat16, torch.bfloat16, 128, 1, True, True)
-    assert asked[1][3:6] == (64, 1, False) and asked[2][1:3] == (torch.float16, torch.float16)
+    answers = [mask_bias._has_key_bias_builds(compute, d, 1) for compute, d in (("bfloat16", 128), ("float16", 64))]
+    assert answers == [True, False] and not mask_bias._has_key_bias_builds("float16", 96, 0)
+    long, short = (("auto", torch.bfloat16, torch.bfloat16, 128, 1, True, s, True) for s in (False, True))
+    assert asked[:2] == [long, short] and asked[2][1:3] == (torch.float16, torch.float16)
+    assert mask_bias._BIAS_HEAD_DIMS == (64, 128)
     tensors = qkv((1, 8, HEADS, 16), torch.float32, seed=1)
     assert mask_bias.takes_key_bias("auto", torch.bfloat16, tensors)
     assert not mask_bias.takes_key_bias("fp8", torch.bfloat16, tensors)
-    assert len(asked) == 3, "the CPU answer needs no kernel"
+    assert len(asked) == 5, "the CPU answer needs no kernel"

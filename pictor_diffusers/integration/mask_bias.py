@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cuda.plan import resolve
+from ..cuda.registry import KERNELS
 from ..cuda.selection import NoKernelError
 from ..dtypes import DTYPE_NAMES, DTYPES
 
@@ -30,26 +31,32 @@ def key_bias_of(attn_mask: torch.Tensor, batch: int, heads: int, seq_k: int) -> 
 def takes_key_bias(kernel: str, compute: torch.dtype, tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether the call on the dispatcher's q, k, v `[B, N, H, D]` (`tensors`), run by `kernel` in `compute`,
     can take a key bias: pictor's 16-bit path ("auto") on CPU (the twins), or on a CUDA device where its kernel
-    has a key-bias build (`plan.resolve`). Under torch.compile the answer is a constant of the device, taken
-    once while tracing, for 16-byte-aligned rows (the op's call copies rows that are not, `plan_attention`)."""
+    has key-bias builds (`plan.resolve`; rows that are not 16-byte aligned are copied, `plan_attention`). The
+    CUDA answer is a constant of the device and head_dim, taken once while tracing under torch.compile."""
     query = tensors[0]
     if kernel != "auto" or query.device.type not in ("cpu", "cuda"):
         return False
     if query.device.type == "cpu":
         return True
-    in_place = query.dtype == compute  # else each tensor is cast into a new, aligned one
-    compiling = torch.compiler.is_compiling()
-    aligned = compiling or not in_place or not any(t.data_ptr() % 16 for t in tensors)
-    return _has_key_bias_build(DTYPE_NAMES[compute], query.shape[-1], query.device.index or 0, aligned)
+    head_dim = next((d for d in _BIAS_HEAD_DIMS if query.shape[-1] == d), None)  # a constant, even if traced
+    return head_dim is not None and _has_key_bias_builds(DTYPE_NAMES[compute], head_dim, query.device.index or 0)
+
+
+_BIAS_HEAD_DIMS = tuple(sorted({d for spec in KERNELS if spec.key_bias_bytes is not None for d in spec.head_dims}))
+"""The head_dims of the kernels with key-bias builds."""
 
 
 @torch.compiler.assume_constant_result
-def _has_key_bias_build(compute: str, head_dim: int, device_index: int, aligned: bool) -> bool:
-    """Whether "auto" runs `compute` q, k, v of `head_dim` with a key bias on CUDA device `device_index`
-    (loading the build, memoised by `resolve`); a constant under torch.compile."""
+def _has_key_bias_builds(compute: str, head_dim: int, device_index: int) -> bool:
+    """Whether "auto" runs `compute` q, k, v of `head_dim` with a key bias on CUDA device `device_index`, over
+    short and long key sequences alike (loading both builds, memoised by `resolve`); a constant under
+    torch.compile."""
     dtype = DTYPES[compute]
     try:
-        prepared = resolve("auto", dtype, dtype, head_dim, device_index, aligned, key_bias=True)
+        prepared = [
+            resolve("auto", dtype, dtype, head_dim, device_index, True, short_keys=short, key_bias=True)
+            for short in (False, True)
+        ]
     except NoKernelError:
         return False
-    return prepared.selection.variant is not None
+    return all(p.selection.variant is not None for p in prepared)
