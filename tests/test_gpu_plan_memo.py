@@ -2,8 +2,8 @@
 first call.
 
 * a call that repeats a served one (same addresses, shapes, strides, dtypes) is replayed: one entry, the same
-  kernel launched (counted), new data at the same addresses read (fp16x3: split again), a NaN-poisoned output
-  block overwritten;
+  kernel launched (counted), new data at the same addresses read (fp16x3: split again, into a workspace freed
+  as poison), a NaN-poisoned output block overwritten;
 * another stride, dtype, shape, scale or kernel is a new entry; what the memo may not serve (LSE, key counts,
   copies of strided inputs) is never remembered;
 * a replay skips no check that could fail: a bad argument next to remembered tensors still raises;
@@ -121,6 +121,41 @@ def test_key_counts_replayed_with_their_current_values(head_dim: int) -> None:
             part = (query[b : b + 1], key[b : b + 1, :, :count], value[b : b + 1, :, :count])
             check(out[b : b + 1], *part)
     assert plan_memo.remembered() <= 1
+
+
+@pytest.mark.parametrize("key_lens", [False, True], ids=["all-keys", "key-counts"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fp16x3_replay_splits_new_data_into_a_poisoned_workspace(out_dtype: torch.dtype, key_lens: bool) -> None:
+    """float32 q, k, v at head_dim 128 on the fp16x3 kernel (Hopper): the first call is remembered with its split
+    prepass, and each replay splits the new data again into a workspace whose freed block was poisoned (maxima
+    huge: they must be zeroed again), into an output block freed as NaN; Nq != Nk, a bf16 output and key counts
+    too; within 1e-5 of float64 (the bf16 output: 1e-2)."""
+    from pictor_diffusers.cuda.geometry import split_halves
+    from pictor_diffusers.cuda.plan import cannot_run
+
+    query = fresh((2, 3, 77, 128), torch.float32, seed=11)[0]
+    key, value = fresh((2, 3, 300, 128), torch.float32, seed=12)[:2]
+    reason = cannot_run("fp16x3", query, key, value, out_dtype)
+    if reason is not None:
+        pytest.skip(f"the fp16x3 kernel cannot run here: {reason}")
+    lens = torch.tensor([300, 123], dtype=torch.int32, device="cuda") if key_lens else None
+    workspace = split_halves(6, 77, 300, 128) + 6 * 6 * 128  # float16 elements: planes, then the maxima
+    for seed in (13, 14, 15):
+        poison = [
+            torch.full((workspace,), 65504.0, dtype=torch.float16, device="cuda"),  # maxima bits 0x7BFF7BFF
+            torch.full((2, 77, 3 * 128), float("nan"), dtype=out_dtype, device="cuda"),
+        ]
+        del poison
+        out = attention(query, key, value, kernel="fp16x3", out_dtype=out_dtype, key_lens=lens)
+        torch.cuda.synchronize()
+        for b, count in enumerate([300, 123] if key_lens else [300, 300]):
+            expected = attention_float64(query[b : b + 1], key[b : b + 1, :, :count], value[b : b + 1, :, :count])
+            error = (out[b : b + 1].double() - expected).abs().max().item()
+            assert error < (1e-5 if out_dtype == torch.float32 else 1e-2), f"batch {b}: max-abs {error:.2e}"
+        news = [fresh((2, 3, n, 128), torch.float32, seed)[0] for n in (77, 300, 300)]
+        for tensor, new in zip((query, key, value), news, strict=True):
+            tensor.copy_(new)
+    assert plan_memo.remembered() == 1
 
 
 @pytest.mark.parametrize(

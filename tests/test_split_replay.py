@@ -41,57 +41,53 @@ class Device:
 
 
 class Workspaces:
-    """`launch.split_buffers` on CPU buffers: the workspace of each call from `order` (indices into a few
-    buffers, as the caching allocator hands blocks back)."""
+    """`launch.split_buffers` on CPU buffers: the workspace at index `next` of a few buffers (as the caching
+    allocator hands blocks back), its maxima zeroed through `runtime.zero` unless not `zero`."""
 
-    def __init__(self, groups: int, q_rows: int, k_rows: int, head_dim: int, order: list[int]) -> None:
+    def __init__(self, groups: int, q_rows: int, k_rows: int, head_dim: int) -> None:
         halves = split_halves(groups, q_rows, k_rows, head_dim)
         self.buffers = [torch.empty(halves + 6 * groups * head_dim, dtype=torch.float16) for _ in range(3)]
-        self.halves, self.shape, self.order = halves, (3, groups, head_dim), list(order)
+        self.halves, self.shape, self.next = halves, (3, groups, head_dim), 0
 
-    def __call__(self, groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int, one_allocation: bool):
+    def __call__(
+        self, groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int | None, one_allocation: bool,
+        zero: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         assert one_allocation
-        buffer = self.buffers[self.order.pop(0)]
+        buffer = self.buffers[self.next]
         colmax = buffer[self.halves :].view(torch.int32).view(self.shape)
-        runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
+        if zero:
+            runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
         return buffer[: self.halves], colmax
 
 
-def fp16x3_plan(batch: int, heads: int, seq_q: int, seq_k: int) -> AttentionPlan:
-    selection = select_kernel(Problem("float32", "float32", 128, (9, 0), 232448), "fp16x3")
+def fp16x3_plan(
+    batch: int, heads: int, seq_q: int, seq_k: int, out_dtype: torch.dtype, key_lens: bool
+) -> AttentionPlan:  # fmt: skip
+    out = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[out_dtype]
+    problem = Problem("float32", out, 128, (9, 0), 232448, key_lens=key_lens)
+    selection = select_kernel(problem, "fp16x3")
+    assert selection.variant.spec.name == "fp16x3" and selection.variant.key_lens == key_lens
     query = torch.randn(batch, heads, seq_q, 128)
     key, value = (torch.randn(batch, heads, seq_k, 128) for _ in range(2))
-    written = torch.empty(batch, seq_q, heads * 128)
+    written = torch.empty(batch, seq_q, heads * 128, dtype=out_dtype)
+    lens = torch.arange(batch, dtype=torch.int32) * 7 + 5 if key_lens else None
     return AttentionPlan(
-        selection, KERNEL, SPLIT, query, key, value, written, None, torch.float32, None, None,
-        Window(0, seq_q, 0, seq_k), 128**-0.5,
+        selection, KERNEL, SPLIT, query, key, value, written, None, out_dtype, None, lens, Window(0, seq_q, 0, seq_k),
+        128**-0.5,
     )  # fmt: skip
 
 
 @pytest.fixture
 def device(monkeypatch: pytest.MonkeyPatch) -> Device:
-    kernel_signature = launch._signature(select_kernel(Problem("float32", "float32", 128, (9, 0), 232448)).variant.spec)
-    recorder = Device({KERNEL: kernel_signature, SPLIT: launch.SPLIT_SIGNATURE})
+    spec = select_kernel(Problem("float32", "float32", 128, (9, 0), 232448), "fp16x3").variant.spec
+    recorder = Device({KERNEL: launch._signature(spec), SPLIT: launch.SPLIT_SIGNATURE})
     monkeypatch.setattr(runtime, "_launch_params", recorder.launch)
     monkeypatch.setattr(runtime, "zero", recorder.zero)
     monkeypatch.setattr(tensor_maps, "_driver", lambda: recorder)
     monkeypatch.setattr(tensor_maps, "_maps", type(tensor_maps._maps)())
     monkeypatch.setattr(nvrtc, "multiprocessors", lambda index: 132)
     return recorder
-
-
-def expected_calls(plan: AttentionPlan, planes: torch.Tensor, colmax: torch.Tensor, out: int, device: Device) -> list:
-    """What the unreplayed path launches for this workspace: the memset, the split's phases, the kernel (its maps
-    named by the planes they map)."""
-    geometry, inputs = launch.launch_geometry(plan)
-    grid, args = launch.split_args(inputs, planes.data_ptr(), colmax.data_ptr(), geometry)
-    built = launch.attention_launch(plan._replace(written=_at(plan.written, out)), workspace=(planes, colmax))
-    kernel = _named(built.args, device)
-    return [
-        ("zero", colmax.data_ptr(), colmax.numel() * 4),
-        *(("launch", SPLIT, grid, (*args, phase)) for phase in (0, 1)),
-        ("launch", KERNEL, tuple(built.grid), kernel),
-    ]
 
 
 def _at(written: torch.Tensor, address: int) -> torch.Tensor:
@@ -104,29 +100,43 @@ def _at(written: torch.Tensor, address: int) -> torch.Tensor:
     return written.as_subclass(Moved)
 
 
-@pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k"), [(1, 3, 77, 300), (2, 2, 129, 129)])
-def test_replays_launch_what_the_plan_launches(device: Device, monkeypatch, batch, heads, seq_q, seq_k) -> None:
-    plan = fp16x3_plan(batch, heads, seq_q, seq_k)
-    order = [0, 0, 0, 1, 0, 2, 1]  # construction, then six runs: blocks seen before and new ones
-    workspaces = Workspaces(batch * heads, seq_q, seq_k, 128, order)
+def _recorded(device: Device) -> list:
+    """The recorded driver calls since the last, the kernel's maps named by the address each maps and its
+    floats as the kernel's f32; then forgotten."""
+    calls = []
+    for event in device.events:
+        if event[:2] == ("launch", KERNEL):
+            named = (device.encoded.get(a, a) if i < 3 else a for i, a in enumerate(event[3]))
+            event = (*event[:3], tuple(ctypes.c_float(a).value if isinstance(a, float) else a for a in named))
+        calls.append(event)
+    device.events.clear()
+    return calls
+
+
+@pytest.mark.parametrize("key_lens", [False, True], ids=["all-keys", "key-counts"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("batch", "heads", "seq_q", "seq_k"), [(1, 3, 77, 300), (2, 2, 129, 129), (3, 1, 300, 64)])
+def test_replays_launch_what_the_unreplayed_path_launches(
+    device: Device, monkeypatch: pytest.MonkeyPatch, batch: int, heads: int, seq_q: int, seq_k: int,
+    out_dtype: torch.dtype, key_lens: bool,
+) -> None:  # fmt: skip
+    """Each replay's memset, split phases and kernel equal `launch_attention`'s on the unreplayed plan for the
+    same workspace and output; the launches are built once per workspace address, and nothing runs on the
+    device when the replay is made."""
+    plan = fp16x3_plan(batch, heads, seq_q, seq_k, out_dtype, key_lens)
+    workspaces = Workspaces(batch * heads, seq_q, seq_k, 128)
     monkeypatch.setattr(launch, "split_buffers", workspaces)
     mapped = []
     split_maps = launch.split_maps
     monkeypatch.setattr(launch, "split_maps", lambda base, geometry: mapped.append(base) or split_maps(base, geometry))
     replay = split_replay.SplitReplay(plan)
-    for run, index in enumerate(order[1:]):
-        device.events.clear()
-        built, out = len(mapped), 0x7000_0000 + 0x1000 * run
+    assert device.events == [], "making a replay must not run anything"
+    seen = {0}
+    for run, index in enumerate([0, 0, 1, 0, 2, 1]):
+        workspaces.next, out, built = index, 0x7000_0000 + 0x1000 * run, len(mapped)
         replay.run(out)
-        got = [(*e[:3], _named(e[3], device)) if e[:2] == ("launch", KERNEL) else e for e in device.events]
-        buffer = workspaces.buffers[index]
-        planes = buffer[: workspaces.halves]
-        colmax = buffer[workspaces.halves :].view(torch.int32).view(workspaces.shape)
-        assert (len(mapped) == built) == (index in order[: run + 1]), "launches are built once per workspace"
-        assert got == expected_calls(plan, planes, colmax, out, device)
-
-
-def _named(args: tuple, device: Device) -> tuple:
-    """The kernel's arguments with its three maps named by the address each maps, floats as the kernel's f32."""
-    named = (device.encoded.get(a, a) if i < 3 else a for i, a in enumerate(args))
-    return tuple(ctypes.c_float(a).value if isinstance(a, float) else a for a in named)
+        assert (len(mapped) == built) == (index in seen), "launches are built once per workspace address"
+        seen.add(index)
+        got = _recorded(device)
+        launch.launch_attention(plan._replace(written=_at(plan.written, out)))
+        assert got == _recorded(device)

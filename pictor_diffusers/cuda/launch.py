@@ -245,10 +245,11 @@ _SPLIT_BOX_ROWS = 64
 
 
 def split_buffers(
-    groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int, one_allocation: bool
+    groups: int, q_rows: int, k_rows: int, head_dim: int, device_index: int, one_allocation: bool, zero: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split planes (float16, flat, `geometry.split_halves`) and zeroed column maxima (int32 `[3, groups, D]`)
-    on the device: views of one allocation where `one_allocation` (a custom op's outputs may not alias)."""
+    """Split planes (float16, flat, `geometry.split_halves`) and column maxima (int32 `[3, groups, D]`, zeroed
+    unless not `zero`) on the device: views of one allocation where `one_allocation` (a custom op's outputs may
+    not alias)."""
     halves, device = split_halves(groups, q_rows, k_rows, head_dim), _device(device_index)
     if one_allocation:
         workspace = torch.empty(halves + 6 * groups * head_dim, dtype=torch.float16, device=device)
@@ -256,7 +257,8 @@ def split_buffers(
     else:
         planes = torch.empty(halves, dtype=torch.float16, device=device)
         colmax = torch.empty((3, groups, head_dim), dtype=torch.int32, device=device)
-    runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
+    if zero:
+        runtime.zero(colmax.data_ptr(), colmax.numel() * 4, device_index)
     return planes, colmax
 
 

@@ -7,7 +7,8 @@ dtype as passed);
 `remember` keeps the plan of a call once its launch is built, and `launch_replay` runs it for a call with the
 same key, into a fresh output, the launch arguments already built. A replayed call skips validation (its facts
 passed it before), the kernel's resolution and the input maps' encodes: it costs the key, one allocation and the
-launch (the wgmma kernel's output map is looked up again when the output moved).
+launch (the wgmma kernel's output map is looked up again when the output moved); an fp16x3 call's also the
+split's workspace, its memset and the split's two launches (`split_replay`).
 
 Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast; the
 fp16x3 kernel's split prepass replayed with it, `split_replay`) into a new output of the requested dtype, over

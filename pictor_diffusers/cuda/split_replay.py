@@ -6,7 +6,7 @@ others. A remembered fp16x3 call keeps a `SplitReplay` instead: each run allocat
 column maxima, one allocation), zeroes the maxima, launches the split's two phases and the kernel, with the
 arguments of all three filled once per workspace address. PyTorch's caching allocator hands the same block back
 call after call, so after the first run a replay builds nothing: one allocation for the workspace, one for the
-output, a memset and three launches. The last `WORKSPACES` addresses are kept.
+output, a memset and three launches. The launches of the `WORKSPACES` addresses last used are kept.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class SplitReplay:
     def __init__(self, plan: AttentionPlan) -> None:
         geometry, inputs = launch.launch_geometry(plan)
         self._geometry, self._device, self._split_function = geometry, plan.written.device.index, plan.prepass_function
-        planes, colmax = self._workspace()
+        planes, colmax = self._workspace(zero=False)  # only its addresses are used: nothing runs on it
         built = launch.attention_launch(plan, workspace=(planes, colmax))
         self._kernel = (plan.function, built._replace(keep=None))
         self._prepass = launch.split_args(inputs, planes.data_ptr(), colmax.data_ptr(), geometry)
@@ -57,13 +57,16 @@ class SplitReplay:
         launches = self._by_workspace.get(planes.data_ptr())
         if launches is None:
             launches = self._prepare(planes.data_ptr(), colmax.data_ptr())
+        else:
+            with self._lock:
+                self._by_workspace.move_to_end(planes.data_ptr())  # the least recently used is evicted first
         for phase in launches.phases:
             phase.run(planes.data_ptr())
         launches.kernel.run(out_pointer)
 
-    def _workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _workspace(self, zero: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         g = self._geometry
-        return launch.split_buffers(g.planes, g.q_count, g.k_count, g.head_dim, self._device, one_allocation=True)
+        return launch.split_buffers(g.planes, g.q_count, g.k_count, g.head_dim, self._device, True, zero)
 
     def _prepare(self, planes: int, colmax: int) -> _Launches:
         """The three launches for a workspace whose planes start at `planes`, its column maxima at `colmax`."""
