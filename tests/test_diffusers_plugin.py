@@ -4,14 +4,11 @@ attention, the hub tokenizer substitutes, and the comparison of the stock and Pi
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor, CogVideoXAttnProcessor2_0
 from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+from suite_runner import load_runner
 
 from pictor_diffusers import PictorAttn
 from pictor_diffusers.testing import diffusers_plugin
@@ -29,8 +26,6 @@ from pictor_diffusers.testing.models import (
     set_stock_processors,
     transformer_inputs,
 )
-
-RUNNER = Path(__file__).parent / "diffusers_suite" / "run_diffusers_tests.py"
 
 
 @pytest.fixture
@@ -130,14 +125,6 @@ def test_hub_substitutes_offline(monkeypatch) -> None:
         assert int(batch["input_ids"].max()) < 32000
     finally:
         hub_substitutes.uninstall()
-
-
-def load_runner():
-    spec = importlib.util.spec_from_file_location("run_diffusers_tests", RUNNER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_runner_compares_runs() -> None:

@@ -1,22 +1,26 @@
 #!/usr/bin/env python
-"""Run diffusers' own tests of one model twice, stock and with PictorAttn in every attention it serves, and compare.
+"""Run diffusers' own tests of one model twice, stock and with pictor in every attention it serves, and compare.
 
-    python tests/diffusers_suite/run_diffusers_tests.py --diffusers-tests PATH [--model flux2|sd3|cogvideox]
-        [--out result.json]
+    python tests/diffusers_suite/run_diffusers_tests.py --diffusers-tests PATH [--model MODEL]
+        [--via processor|backend] [--backend pictor] [--out result.json]
 
 PATH holds diffusers' `tests/` folder (a diffusers clone, or `git archive <tag> tests` unpacked), at the tag of
 the installed diffusers. The targets (`TARGETS`): for `flux2` (the default)
-`tests/models/transformers/test_models_transformer_flux2.py` and `tests/pipelines/flux2/`; for `sd3` and
-`cogvideox` the model tests `test_models_transformer_sd3.py` (SD3 and SD3.5) and
-`test_models_transformer_cogvideox.py` (1.0 and 1.5); their pipeline tests load text encoders from the hub.
+`tests/models/transformers/test_models_transformer_flux2.py` and `tests/pipelines/flux2/`; for the other models
+their model tests, `test_models_transformer_<model>.py` (`sd3`: SD3 and SD3.5; `cogvideox`: 1.0 and 1.5; `flux1`,
+`qwenimage`, `wan`, `hunyuan_video`, `ltx`); their pipeline tests load text encoders from the hub.
 Both runs load `pictor_diffusers.testing.hub_substitutes` (local tokenizers for the two hub ids the FLUX.2
-pipeline tests fetch) with `HF_HUB_OFFLINE=1`; the second adds `pictor_diffusers.testing.diffusers_plugin`
-(`PICTOR_DIFFUSERS_PRECISION`, default fp32).
+pipeline tests fetch) with `HF_HUB_OFFLINE=1`. The second adds, `--via processor` (the default for flux2, sd3
+and cogvideox), `pictor_diffusers.testing.diffusers_plugin` (`PictorAttn` in the processors;
+`PICTOR_DIFFUSERS_PRECISION`, default fp32), or, `--via backend` (the default for the models on diffusers'
+dispatcher), `pictor_diffusers.testing.backend_plugin` (`attention_backend(--backend)` around every test,
+default "pictor").
 
-Prints and writes JSON: per-run outcome counts; `regressions`, the tests that pass stock and fail with PictorAttn
+Prints and writes JSON: per-run outcome counts; `regressions`, the tests that pass stock and fail with pictor
 (training tests apart, in `training_regressions`: the kernels are inference-only); `fixed`, the reverse;
 `stock_processor_calls`, any test in the PictorAttn run where a replaced diffusers processor still ran; how many
-tests exercised PictorAttn, the passing tests that ran no served attention, and the skip reasons.
+tests exercised pictor, the passing tests that ran no served attention, the skip reasons, and (backend runs) the
+calls that fell back to native attention, with their reasons.
 Exit status: 0 when there are no regressions outside training and no stock calls,
 1 otherwise, 2 when the diffusers tests are missing or pytest could not run them.
 
@@ -36,13 +40,23 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
+_MODEL_TESTS = "tests/models/transformers/test_models_transformer_{}.py"
+_DISPATCHER_MODELS = (
+    ("flux1", "flux"), ("qwenimage", "qwenimage"), ("wan", "wan"), ("hunyuan_video", "hunyuan_video"), ("ltx", "ltx")
+)  # fmt: skip
 TARGETS = {
-    "flux2": ("tests/models/transformers/test_models_transformer_flux2.py", "tests/pipelines/flux2"),
-    "sd3": ("tests/models/transformers/test_models_transformer_sd3.py",),
-    "cogvideox": ("tests/models/transformers/test_models_transformer_cogvideox.py",),
+    "flux2": (_MODEL_TESTS.format("flux2"), "tests/pipelines/flux2"),
+    "sd3": (_MODEL_TESTS.format("sd3"),),
+    "cogvideox": (_MODEL_TESTS.format("cogvideox"),),
+    **{model: (_MODEL_TESTS.format(name),) for model, name in _DISPATCHER_MODELS},
 }
 HUB_PLUGIN = "pictor_diffusers.testing.hub_substitutes"
 PICTOR_PLUGIN = "pictor_diffusers.testing.diffusers_plugin"
+BACKEND_PLUGIN = "pictor_diffusers.testing.backend_plugin"
+VIA = {"processor": PICTOR_PLUGIN, "backend": BACKEND_PLUGIN}
+"""How the second run puts pictor in: `PictorAttn` in the processors (FLUX.2, SD3, CogVideoX: the default for
+those models) or a pictor backend of diffusers' dispatcher (the default for the others)."""
+PROCESSOR_MODELS = ("flux2", "sd3", "cogvideox")
 TRAINING = re.compile(r"Training")  # diffusers' TrainingTesterMixin classes: TestSD3TransformerTraining, ...
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / ".diffusers-tests"
@@ -84,14 +98,15 @@ def read_junit(path: Path) -> dict[str, dict]:
 
 
 def run_pytest(
-    root: Path, junit: Path, pictor: bool, precision: str, targets: tuple[str, ...], extra: list[str]
-) -> int:
-    plugins = ["-p", HUB_PLUGIN] + (["-p", PICTOR_PLUGIN] if pictor else [])
+    root: Path, junit: Path, plugin: str | None, precision: str, backend: str, targets: tuple[str, ...],
+    extra: list[str],
+) -> int:  # fmt: skip
+    plugins = ["-p", HUB_PLUGIN] + (["-p", plugin] if plugin else [])
     command = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(root), "-p", "no:cacheprovider"]
     command += [*plugins, "-q", "-rfE", f"--junitxml={junit}", *extra, *targets]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PICTOR_DIFFUSERS_PRECISION=precision)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PICTOR_DIFFUSERS_PRECISION=precision, PICTOR_DIFFUSERS_BACKEND=backend)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    label = "PictorAttn" if pictor else "stock"
+    label = {None: "stock", PICTOR_PLUGIN: "PictorAttn", BACKEND_PLUGIN: f"backend {backend}"}[plugin]
     print(f"== {label}: {' '.join(command)}", file=sys.stderr, flush=True)
     return subprocess.run(command, cwd=root, env=env, stdout=sys.stderr, check=False).returncode  # stdout: the JSON
 
@@ -113,6 +128,9 @@ def compare(stock: dict[str, dict], pictor: dict[str, dict]) -> dict:
     calls = {t: int(r["properties"].get("pictor_attn_calls", 0) or 0) for t, r in pictor.items()}
     stock_calls = {t: int(r["properties"].get("stock_calls", 0) or 0) for t, r in pictor.items()}
     skips = Counter(r["message"] for r in pictor.values() if r["outcome"] == "skipped")
+    fallbacks = {t: int(r["properties"].get("fallback_calls", 0) or 0) for t, r in pictor.items()}
+    listed = (r["properties"].get("fallback_reasons") or "" for r in pictor.values())
+    reasons = Counter(reason for names in listed for reason in names.split(",") if reason)
     return {
         "counts": {
             "stock": dict(Counter(r["outcome"] for r in stock.values())),
@@ -128,6 +146,9 @@ def compare(stock: dict[str, dict], pictor: dict[str, dict]) -> dict:
             t for t, n in calls.items() if not n and pictor[t]["outcome"] == "passed"
         ),
         "skip_reasons": dict(skips.most_common()),
+        "fallback_calls": sum(fallbacks.values()),
+        "tests_with_fallbacks": sorted(t for t, n in fallbacks.items() if n),
+        "fallback_reasons": dict(reasons.most_common()),
     }
 
 
@@ -141,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=sorted(TARGETS), default="flux2", help="whose tests (default: flux2)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
+    parser.add_argument("--via", choices=sorted(VIA), help="processor or backend (default: by model, see VIA)")
     parser.add_argument("--precision", default=os.environ.get("PICTOR_DIFFUSERS_PRECISION", "fp32"))
+    parser.add_argument("--backend", default=os.environ.get("PICTOR_DIFFUSERS_BACKEND", "pictor"))
     parser.add_argument("pytest_args", nargs="*", help="passed to both pytest runs (after --), e.g. -k Klein")
     args = parser.parse_args(argv)
 
@@ -153,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="pictor-diffusers-suite-") as tmp:
         junits = {mode: Path(tmp) / f"{mode}.xml" for mode in ("stock", "pictor")}
-        codes = {mode: run_pytest(root, junits[mode], mode == "pictor", args.precision, targets, args.pytest_args)
-                 for mode in junits}  # fmt: skip
+        via = args.via or ("processor" if args.model in PROCESSOR_MODELS else "backend")
+        plugins = {"stock": None, "pictor": VIA[via]}
+        codes = {
+            mode: run_pytest(root, junits[mode], plugins[mode], args.precision, args.backend, targets, args.pytest_args)
+            for mode in junits
+        }
         if any(code not in (0, 1) or not junits[mode].exists() for mode, code in codes.items()):
             print(f"pytest did not complete a run (exit codes {codes})", file=sys.stderr)
             return 2
@@ -166,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         "diffusers_tests_source": source.read_text().strip() if source.exists() else None,
         "diffusers_version": diffusers.__version__,
         "model": args.model,
-        "precision": args.precision,
+        "via": via,
+        **({"backend": args.backend} if via == "backend" else {"precision": args.precision}),
         **compare(stock, pictor),
     }
     text = json.dumps(result, indent=2)
