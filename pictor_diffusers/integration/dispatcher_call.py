@@ -111,9 +111,12 @@ def _gathered(tensor: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> t
     return _head_major(picked.view(batch, seq_k, heads, head_dim), dtype)
 
 
+_PROFILER_ENABLED = getattr(torch.autograd, "_profiler_enabled", None)
+
+
 def _profiling() -> bool:
-    enabled = getattr(torch.autograd, "_profiler_enabled", None)
-    return enabled is not None and not torch.compiler.is_compiling() and enabled()
+    """Whether torch's profiler records (outside compiled graphs): such calls take the full, labelled path."""
+    return _PROFILER_ENABLED is not None and not torch.compiler.is_compiling() and _PROFILER_ENABLED()
 
 
 def _replay_key(name: str, query: object, key: object, value: object, scale: object) -> tuple | None:

@@ -202,8 +202,10 @@ def memo_key(
         return None
     if not (scale is None or type(scale) is float) or not (out_dtype is None or isinstance(out_dtype, torch.dtype)):
         return None
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not query.is_cuda or needs_op(*tensors):
+    tensor = torch.Tensor
+    if not (isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor)):
+        return None
+    if not query.is_cuda or needs_op(query, key, value):
         return None
     return plan_memo.call_key(query, key, value, scale, kernel, out_dtype, key_lens)
 

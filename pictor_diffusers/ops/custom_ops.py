@@ -37,4 +37,6 @@ def needs_op(*tensors: torch.Tensor) -> bool:
     """Whether a call must go through the custom op: while compiling, or when autograd records it."""
     if torch.compiler.is_compiling():
         return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():  # inference: no generator to run (this is on every call's path)
+        return False
+    return any(t.requires_grad for t in tensors)
