@@ -8,9 +8,10 @@
   Nq != Nk and the log-sum-exp against float64.
 * fallbacks: each unsupported feature runs native (bitwise the same output),
   warns once naming it, and never runs pictor; with return_lse=True it raises.
-* whole models: tiny FLUX.1 (served), Qwen-Image with a padding mask (falls
-  back), Wan (self-attention and text cross-attention, Nq != Nk, served),
-  via `set_attention_backend` and the `attention_backend` context manager.
+* whole models: tiny FLUX.1 (served), Qwen-Image with a padding mask (served),
+  Wan (self-attention and text cross-attention, Nq != Nk, served), HunyuanVideo
+  with a full and a padded prompt (served), via `set_attention_backend` and the
+  `attention_backend` context manager.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import QwenImageTransformer2DModel, WanTransformer3DModel
+from diffusers import HunyuanVideoTransformer3DModel, QwenImageTransformer2DModel, WanTransformer3DModel
 from diffusers.models import attention_dispatch as dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend, dispatch_attention_fn
 from test_flux1 import attention_modules, build_flux1, count_pictor_calls, flux1_inputs, rel_l2
@@ -307,6 +308,43 @@ def test_wan_self_and_cross_attention_served(use_context: bool, monkeypatch: pyt
     assert calls == 2 * WAN_CONFIG["num_layers"], "pictor must serve every self- and cross-attention (Nq=70, Nk=12)"
     assert not messages
     assert rel_l2(out, native) <= 1e-5
+
+
+HUNYUAN_VIDEO_CONFIG = {
+    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 10, "num_layers": 1,
+    "num_single_layers": 2, "num_refiner_layers": 1, "patch_size": 1, "patch_size_t": 1, "guidance_embeds": True,
+    "text_embed_dim": 16, "pooled_projection_dim": 8, "rope_axes_dim": (2, 4, 4), "image_condition_type": None,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full-prompt", "padded-prompt"])
+def test_hunyuan_video_served(padded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HunyuanVideo's dual- and single-stream blocks on the dispatcher (80 video + 12 text tokens), its prompt mask
+    a `[B, 1, 1, N]` bool key-padding mask: every call served, no warning, as native within 1e-5 (its token
+    refiner calls SDPA itself, past the dispatcher)."""
+    torch.manual_seed(0)
+    model = HunyuanVideoTransformer3DModel(**HUNYUAN_VIDEO_CONFIG).eval()
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.ones(2, 12)
+    if padded:
+        prompt[1, 7:] = 0
+    inputs = {
+        "hidden_states": torch.randn(2, 4, 1, 8, 10, generator=generator),
+        "timestep": torch.tensor([10.0, 500.0]),
+        "encoder_hidden_states": torch.randn(2, 12, 16, generator=generator),
+        "pooled_projections": torch.randn(2, 8, generator=generator),
+        "encoder_attention_mask": prompt,
+        "guidance": torch.tensor([3000.0, 3000.0]),
+        "return_dict": False,
+    }
+    native, out, calls, messages = compare_backend(model, inputs, "pictor", monkeypatch, True)
+    layers = HUNYUAN_VIDEO_CONFIG["num_layers"] + HUNYUAN_VIDEO_CONFIG["num_single_layers"]
+    assert calls == layers and not messages
+    assert rel_l2(out, native) <= 1e-5
+    if padded:
+        with torch.no_grad():
+            full = model(**{**inputs, "encoder_attention_mask": torch.ones(2, 12)})[0]
+        assert rel_l2(full, native) > 1e-3, "the padding changes nothing: the check would be vacuous"
 
 
 def test_profiler_shows_pictor() -> None:
