@@ -6,8 +6,8 @@
   without RoPE; the planes are poisoned with NaN before every launch.
 * v channels of 1e-4..1e4: bit-identical planes, and attention on them within 1e-5 of each channel's
   magnitude of float64.
-* PictorAttn on a tiny head_dim-128 FLUX.2: the fused route (split prologue launched, split prepass never)
-  gives the unfused route's output bit for bit, and f32 models land within 1e-5 of float64 stock; under
+* PictorAttn on a tiny head_dim-128 FLUX.2: the fused route (split prologue launched, split prepass never;
+  its attention replayed by the plan memo across layers) gives the unfused route's output bit for bit, and f32 models land within 1e-5 of float64 stock; under
   torch.compile the route holds; the KV cache's modes and public `attention()` keep the unfused route.
 """
 
@@ -19,9 +19,10 @@ from kv_helpers import kv_steps
 from launch_counts import count_launches
 
 from pictor_diffusers import PictorAttn
-from pictor_diffusers.cuda import launch
+from pictor_diffusers.cuda import nvrtc, runtime
 from pictor_diffusers.cuda.geometry import SplitPlanes, split_halves
 from pictor_diffusers.cuda.launch import qkv_prologue_cuda, qkv_prologue_split_cuda, split_qkv_cuda
+from pictor_diffusers.cuda.pass_rows import split_variant
 from pictor_diffusers.cuda.prologue_layout import prologue_layout
 from pictor_diffusers.ops import split_route
 from pictor_diffusers.ops.attention import attention
@@ -151,22 +152,28 @@ def test_value_channels_of_every_magnitude(dtype: torch.dtype) -> None:
 
 
 def _route_counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Launch counts from here on: split prologues, split prepasses and fp32-family attention kernels."""
-    counts = {"prologue_split": [0], "split_prepass": [0], "attention": count_launches(monkeypatch, "fp32")}
-    for module, name, key in ((split_route, "qkv_prologue_split_cuda", "prologue_split"),
-                              (launch, "split_planes", "split_prepass")):  # fmt: skip
-        original = getattr(module, name)
+    """Launch counts from here on: split prologues, split prepasses (each two launches of the split kernel,
+    whether planned or replayed by the plan memo) and fp32-family attention kernels."""
+    counts = {"prologue_split": [0], "split_launches": [0], "attention": count_launches(monkeypatch, "fp32")}
+    prologue, launch_params = split_route.qkv_prologue_split_cuda, runtime._launch_params
+    split = nvrtc.function(split_variant(HEAD_DIM), torch.cuda.current_device())
 
-        def counted(*args: object, _original=original, _key=key, **kwargs: object) -> object:
-            counts[_key][0] += 1
-            return _original(*args, **kwargs)
+    def counted_prologue(*args: object, **kwargs: object) -> object:
+        counts["prologue_split"][0] += 1
+        return prologue(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, counted)
+    def counted_launch(function: int, *args: object) -> None:
+        counts["split_launches"][0] += function == split
+        launch_params(function, *args)
+
+    monkeypatch.setattr(split_route, "qkv_prologue_split_cuda", counted_prologue)
+    monkeypatch.setattr(runtime, "_launch_params", counted_launch)
     return counts
 
 
 def _counted(counts: dict[str, list[int]]) -> tuple[int, int, int]:
-    return counts["prologue_split"][0], counts["split_prepass"][0], counts["attention"][0]
+    """(split prologues, split prepasses, attention kernels)."""
+    return counts["prologue_split"][0], counts["split_launches"][0] // 2, counts["attention"][0]
 
 
 @needs_hopper

@@ -1,7 +1,7 @@
 """`split_replay.SplitReplay` on the CPU (the driver's launches, memsets and map encodes replaced by recorders,
 the workspace by CPU buffers): a remembered fp16x3 call replays the split's two phases and the kernel with the
 arguments the unreplayed path builds, for the workspace it gets each time, building nothing again for a
-workspace address it has seen."""
+workspace address it has seen; attention on planes the fused prologue made is remembered and replayed alike."""
 
 from __future__ import annotations
 
@@ -140,3 +140,38 @@ def test_replays_launch_what_the_unreplayed_path_launches(
         got = _recorded(device)
         launch.launch_attention(plan._replace(written=_at(plan.written, out)))
         assert got == _recorded(device)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("batch", "heads", "seq"), [(1, 3, 77), (2, 2, 129)])
+def test_attention_on_split_planes_is_remembered(
+    device: Device, monkeypatch: pytest.MonkeyPatch, batch: int, heads: int, seq: int, out_dtype: torch.dtype
+) -> None:
+    """The parity path's attention on planes its fused prologue made (`plan_memo.remember_split`): a replay
+    launches what the unreplayed plan launches, into its own output, and the memo keeps no tensor alive."""
+    import gc
+    import weakref
+
+    from pictor_diffusers.cuda import plan_memo
+    from pictor_diffusers.cuda.geometry import SplitPlanes
+
+    monkeypatch.setattr(plan_memo, "_memo", type(plan_memo._memo)())
+    workspaces = Workspaces(batch * heads, seq, seq, 128)
+    planes, colmax = workspaces(batch * heads, seq, seq, 128, None, True, zero=False)
+    split = SplitPlanes(planes, colmax, heads, seq)
+    plan = fp16x3_plan(batch, heads, seq, seq, out_dtype, False)
+    plan = plan._replace(prepass_function=0, query=None, key=None, value=None, split=split)
+    call = plan_memo.split_call_key(split, 128**-0.5, "fp16x3", out_dtype)
+    plan_memo.remember_split(call, plan)
+    assert plan_memo.remembered() == 1
+    out = plan_memo.launch_replay(call)
+    assert out.shape == (batch, seq, heads * 128) and out.dtype == out_dtype
+    got = _recorded(device)
+    launch.launch_attention(plan._replace(written=_at(plan.written, out.data_ptr())))
+    assert got == _recorded(device) and [e[:2] for e in got] == [("launch", KERNEL)]
+    other = plan_memo.split_call_key(split._replace(seq=seq - 1), 128**-0.5, "fp16x3", out_dtype)
+    assert plan_memo.launch_replay(other) is None, "another fact is another call"
+    refs = [weakref.ref(t) for t in (workspaces.buffers[0], plan.written)]
+    del planes, colmax, split, plan, workspaces
+    gc.collect()
+    assert all(ref() is None for ref in refs), "a remembered split call keeps no tensor alive"

@@ -199,7 +199,8 @@ def _operands(
         return quantized_operands(pointers, geometry, device_index, prepass, spec.geometry["PV"])
     planes, colmax = split_planes(pointers[:3], geometry, device_index, prepass) if split is None else split[:2]
     maps = split_maps(planes.data_ptr(), geometry)
-    return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), (maps, planes)
+    keep = (maps, planes) if split is None else maps  # given planes stay referenced by the caller
+    return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), keep
 
 
 def split_maps(base: int, geometry: Geometry) -> list[tuple[ctypes.Array, int]]:

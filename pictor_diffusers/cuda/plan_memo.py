@@ -12,7 +12,8 @@ split's workspace, its memset and the split's two launches (`split_replay`).
 
 Remembered: calls whose kernel reads q, k, v (and the key counts, if given) as given (no copy, no upcast; the
 fp16x3 kernel's split prepass replayed with it, `split_replay`) into a new output of the requested dtype, over
-all rows, without log-sum-exp. Key counts are named by
+all rows, without log-sum-exp; and attention on the split planes the parity path's fused prologue made
+(`split_call_key`, `remember_split`). Key counts are named by
 their tensor's facts too (the backend passes the same cached counts for every call under one mask). No tensor
 is held, so a remembered call keeps nothing alive; tensor maps stay referenced by their entry. At most
 `MEMO_SIZE` entries, the oldest evicted first.
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import launch
-from .geometry import full_window
+from .geometry import SplitPlanes, full_window
 from .plan import AttentionPlan
 from .split_replay import SplitReplay
 
@@ -105,9 +106,35 @@ def remember(
         return plan
     split = variant.spec.operands == "split_planes"
     plan = plan._replace(launch=SplitReplay(plan) if split else launch.prepare(plan))
-    template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None)  # addresses: in the launch
-    _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
+    _store_template(call, plan)
     return plan
+
+
+def split_call_key(split: SplitPlanes, scale: float, kernel: str, out_dtype: torch.dtype) -> tuple[Any, ...]:
+    """Every fact attention on split planes (`ops.split_route`) depends on: the planes' and the maxima's
+    addresses, extents, strides, dtypes and devices, the heads and rows, the scale, kernel and out dtype."""
+    planes, colmax = split.planes, split.colmax
+    return (
+        "split", planes.data_ptr(), planes.shape, planes.stride(), planes.dtype, planes.get_device(),
+        colmax.data_ptr(), colmax.shape, colmax.stride(), colmax.dtype, colmax.get_device(),
+        split.heads, split.seq, scale, kernel, out_dtype,
+    )  # fmt: skip
+
+
+def remember_split(call: tuple[Any, ...], plan: AttentionPlan) -> AttentionPlan:
+    """A plan on split planes (`plan.plan_split_attention`) with its launch built, remembered under `call`
+    (`split_call_key`'s) when its kernel writes the requested dtype; otherwise `plan` unchanged."""
+    if plan.selection.variant is None or plan.written.dtype != plan.out_dtype or plan.split is None:
+        return plan
+    plan = plan._replace(launch=launch.prepare(plan))
+    _store_template(call, plan)
+    return plan
+
+
+def _store_template(call: tuple[Any, ...], plan: AttentionPlan) -> None:
+    """Remember `plan` (its launch prepared) without its tensors: their addresses are in the launch."""
+    template = plan._replace(query=None, key=None, value=None, written=None, key_lens=None, split=None)
+    _store(call, _Entry(template, tuple(plan.written.shape), plan.written.dtype, plan.written.device))
 
 
 def alias(call: tuple[Any, ...], remembered_call: tuple[Any, ...]) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cuda import plan_memo
 from ..cuda.geometry import SplitPlanes, split_halves
 from ..cuda.launch import qkv_prologue_split_cuda, run, split_qkv_cuda
 from ..cuda.plan import plan_split_attention, selects_split_planes
@@ -84,11 +85,17 @@ def _prologue_split(
 
 
 def _attend_split(split: SplitPlanes, scale: float, kernel: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """Attention on split planes: the split-planes kernel's plan on CUDA, the twin on the planes' values on the
-    CPU; token-major `[B, N, H*D]` `out_dtype`."""
-    check_split_planes(split)
+    """Attention on split planes: the split-planes kernel's plan on CUDA (replayed when planes with the same
+    facts were served before: `plan_memo.split_call_key`), the twin on the planes' values on the CPU;
+    token-major `[B, N, H*D]` `out_dtype`."""
     if split.planes.is_cuda:
-        return run(plan_split_attention(split, scale, kernel, out_dtype))
+        call = plan_memo.split_call_key(split, scale, kernel, out_dtype)
+        replayed = plan_memo.launch_replay(call)
+        if replayed is not None:
+            return replayed
+        check_split_planes(split)
+        return run(plan_memo.remember_split(call, plan_split_attention(split, scale, kernel, out_dtype)))
+    check_split_planes(split)
     return twin_attention(*joined_twin(split), scale, kernel, out_dtype)
 
 
