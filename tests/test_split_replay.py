@@ -175,3 +175,39 @@ def test_attention_on_split_planes_is_remembered(
     del planes, colmax, split, plan, workspaces
     gc.collect()
     assert all(ref() is None for ref in refs), "a remembered split call keeps no tensor alive"
+
+
+def test_attend_split_checks_and_plans_once_then_replays(device: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`split_route._attend_split` on CUDA planes (faked here): the first call checks the planes, plans and
+    launches; the same call again replays that launch into a new output with neither; planes that fail the
+    checks (heads that do not divide the planes' groups: another key) still raise."""
+    from pictor_diffusers.cuda import plan_memo
+    from pictor_diffusers.cuda.geometry import SplitPlanes
+    from pictor_diffusers.ops import split_route
+    from pictor_diffusers.ops.validation import check_split_planes
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+    monkeypatch.setattr(plan_memo, "_memo", type(plan_memo._memo)())
+    workspaces = Workspaces(3, 77, 77, 128)
+    planes, colmax = workspaces(3, 77, 77, 128, None, True, zero=False)
+    split = SplitPlanes(planes.as_subclass(OnCuda), colmax, 3, 77)
+    checked, planned = [], []
+
+    def plan_split_attention(split: SplitPlanes, scale: float, kernel: str, out_dtype: torch.dtype) -> AttentionPlan:
+        plan = fp16x3_plan(1, 3, 77, 77, out_dtype, False)
+        planned.append(plan._replace(prepass_function=0, query=None, key=None, value=None, split=split, scale=scale))
+        return planned[-1]
+
+    monkeypatch.setattr(split_route, "plan_split_attention", plan_split_attention)
+    monkeypatch.setattr(split_route, "check_split_planes", lambda s: checked.append(s) or check_split_planes(s))
+    outs = [split_route._attend_split(split, 128**-0.5, "fp16x3", torch.float32) for _ in range(3)]
+    assert (len(checked), len(planned)) == (1, 1)
+    kernels = [e[3] for e in _recorded(device) if e[:2] == ("launch", KERNEL)]
+    assert len(kernels) == 3 and [k[3] for k in kernels] == [out.data_ptr() for out in outs]
+    assert all(k[:3] + k[4:] == kernels[0][:3] + kernels[0][4:] for k in kernels), "a replay launches the same"
+    with pytest.raises(ValueError, match="multiple of heads=2"):
+        split_route._attend_split(split._replace(heads=2), 128**-0.5, "fp16x3", torch.float32)
