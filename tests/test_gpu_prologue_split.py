@@ -7,8 +7,9 @@
 * v channels of 1e-4..1e4: bit-identical planes, and attention on them within 1e-5 of each channel's
   magnitude of float64.
 * PictorAttn on a tiny head_dim-128 FLUX.2: the fused route (split prologue launched, split prepass never;
-  its attention replayed by the plan memo across layers) gives the unfused route's output bit for bit, and f32 models land within 1e-5 of float64 stock; under
-  torch.compile the route holds; the KV cache's modes and public `attention()` keep the unfused route.
+  its attention replayed by the plan memo across layers) gives the unfused route's output bit for bit, and
+  f32 models land within 1e-5 of float64 stock; under torch.compile the route holds; the KV cache's modes and
+  public `attention()` keep the unfused route.
 """
 
 from __future__ import annotations
