@@ -203,6 +203,14 @@ def _operands(
     return (*_with_maps(maps, pointers[3:]), colmax.data_ptr()), keep
 
 
+def on_workspace(built: Launch, planes: int, colmax: int, geometry: Geometry) -> Launch:
+    """`built`, a split-planes kernel's launch (`_operands`' layout: the planes' three maps, out, lse, key counts,
+    the column maxima, then scalars), reading a workspace whose planes and maxima are at other addresses."""
+    maps = split_maps(planes, geometry)
+    args = (*_with_maps(maps, built.args[OUT_OPERAND:SPLIT_COLMAX_OPERAND]), colmax)
+    return built._replace(args=(*args, *built.args[SPLIT_COLMAX_OPERAND + 1 :]), keep=maps)
+
+
 def split_maps(base: int, geometry: Geometry) -> list[tuple[ctypes.Array, int]]:
     """The maps of the split's q, k and v planes (`SplitPlanes.planes`' layout) in a workspace at `base`."""
     g, half = geometry, 2
@@ -235,6 +243,10 @@ def _split_plane_rows(address: int, planes: int, rows: int, head_dim: int) -> te
 
 SPLIT_SIGNATURE = (_U64,) * 5 + (_U32,) * 5
 """The split kernel's arguments: q, k, v, planes, column maxima; counts, pitches and the phase."""
+SPLIT_PLANES_ARG = 3
+"""Where the split kernel's planes address is among its arguments (`split_args`)."""
+SPLIT_COLMAX_OPERAND = 6
+"""Where a split-planes kernel's column maxima address is among its operands (`_operands`)."""
 
 
 @functools.cache

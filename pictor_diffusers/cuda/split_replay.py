@@ -24,7 +24,6 @@ from .plan import AttentionPlan
 
 WORKSPACES = 4
 """Workspace addresses whose launches a replay keeps (the allocator may alternate between a few blocks)."""
-_PLANES_ARG, _MAPS, _COLMAX_OPERAND = 3, 3, 6  # the split's planes argument; the kernel's q, k, v maps, colmax
 
 
 class _Launches(NamedTuple):
@@ -39,15 +38,14 @@ class SplitReplay:
     splits the plan's q, k, v (the addresses it was built with) and launches the kernel into `out`, the
     address of a token-major `[B, N, H*D]` output of the plan's dtype. Holds no tensor."""
 
-    __slots__ = ("_by_workspace", "_device", "_geometry", "_kernel", "_lock", "_prepass", "_split_function")
+    __slots__ = ("_by_workspace", "_device", "_geometry", "_inputs", "_kernel", "_lock", "_split_function")
 
     def __init__(self, plan: AttentionPlan) -> None:
         geometry, inputs = launch.launch_geometry(plan)
         self._geometry, self._device, self._split_function = geometry, plan.written.device.index, plan.prepass_function
         planes, colmax = self._workspace(zero=False)  # only its addresses are used: nothing runs on it
         built = launch.attention_launch(plan, workspace=(planes, colmax))
-        self._kernel = (plan.function, built._replace(keep=None))
-        self._prepass = launch.split_args(inputs, planes.data_ptr(), colmax.data_ptr(), geometry)
+        self._kernel, self._inputs = (plan.function, built._replace(keep=None)), inputs
         self._by_workspace: OrderedDict[int, _Launches] = OrderedDict()
         self._lock = threading.Lock()
         self._prepare(planes.data_ptr(), colmax.data_ptr())  # the first run most likely gets this block back
@@ -70,20 +68,17 @@ class SplitReplay:
 
     def _prepare(self, planes: int, colmax: int) -> _Launches:
         """The three launches for a workspace whose planes start at `planes`, its column maxima at `colmax`."""
-        grid, args = self._prepass
-        split_args = (*args[:_PLANES_ARG], planes, colmax, *args[_PLANES_ARG + 2 :])
+        grid, args = launch.split_args(self._inputs, planes, colmax, self._geometry)
         phases = tuple(
             runtime.PreparedLaunch(
                 self._split_function,
-                Launch(self._device, grid, SPLIT.threads, 0, launch.SPLIT_SIGNATURE, (*split_args, phase), None),
-                _PLANES_ARG,
+                Launch(self._device, grid, SPLIT.threads, 0, launch.SPLIT_SIGNATURE, (*args, phase), None),
+                launch.SPLIT_PLANES_ARG,
             )
             for phase in (0, 1)
         )
         function, built = self._kernel
-        maps = launch.split_maps(planes, self._geometry)
-        args = (*(address for _, address in maps), *built.args[_MAPS:_COLMAX_OPERAND], colmax)
-        kernel = built._replace(args=(*args, *built.args[_COLMAX_OPERAND + 1 :]), keep=maps)
+        kernel = launch.on_workspace(built, planes, colmax, self._geometry)
         launches = _Launches(phases, runtime.PreparedLaunch(function, kernel, OUT_OPERAND))
         with self._lock:
             self._by_workspace[planes] = launches
